@@ -1,0 +1,43 @@
+# Set-up and checks. Each target creates what it needs (a venv under .venv*) by itself.
+PYTHON ?= python3
+VENV ?= .venv
+VENV_LOWEST ?= .venv-lowest
+# A CPU wheel of this torch ships with our machines (pip's find-links); elsewhere pip takes it from the index.
+TORCH ?= torch==2.13.0
+# The lowest supported Lightning (setup.cfg's lower bound), tested by `make test-lowest`.
+LIGHTNING_LOWEST ?= lightning==2.2.0
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+PYTEST_FLAGS ?= -q -p no:cacheprovider
+
+.PHONY: demo test test-lowest docs bench clean
+
+$(VENV)/.installed: setup.cfg setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,bench]"
+	touch $@
+
+$(VENV_LOWEST)/.installed: setup.cfg setup.py
+	$(PYTHON) -m venv $(VENV_LOWEST)
+	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)"
+	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) -e ".[test]"
+	touch $@
+
+## make demo: train a P x K embedding network on 2 CPU processes with strategy="ddp_custom_sampler"
+demo: $(VENV)/.installed
+	$(VENV)/bin/python examples/demo_pk_digits.py
+
+## make test: the whole test suite (per-test timeout in setup.cfg)
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
+
+## make test-lowest: the Lightning-facing tests against the lowest supported Lightning
+test-lowest: $(VENV_LOWEST)/.installed
+	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
+	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/sampler_overhead.py --quick
+
+clean:
+	rm -rf $(VENV) $(VENV_LOWEST) build *.egg-info docs/_build

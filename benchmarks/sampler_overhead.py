@@ -1,0 +1,475 @@
+"""What does dealing a custom batch sampler out among DDP ranks cost one rank?
+
+Everything runs in one process that plays rank 0 of a world of W ranks (num_replicas=W, rank=0): no
+process group is needed, because every contender takes num_replicas and rank explicitly.
+
+The workload is a typical user batch sampler (it subclasses nothing, has ``__len__`` and ``__iter__``,
+and yields lists of 64 ints: consecutive slices of a permutation it holds as a numpy array). For B
+batches per epoch (default 1e4, 1e5, 1e6) and W ranks (default 2 and 8) it compares:
+
+1. floor: iterating the user's sampler once on its own. A rank cannot learn which batches are its
+   share without running the user's sampler through the whole epoch (the sampler may build batches
+   itself, so there is nothing to index into), so one full pass of it is the least any dealing
+   scheme can cost per epoch. Ratios are taken against this.
+2. ours, shuffle off:       ``DistributedBatchSamplerWrapper(s, W, 0)``
+3. ours, windowed shuffle:  ``DistributedBatchSamplerWrapper(s, W, 0, shuffle=True, shuffle_window=16)``
+4. ours, full shuffle:      ``DistributedBatchSamplerWrapper(s, W, 0, shuffle=True)``
+5. Lightning's ``DistributedSamplerWrapper`` (``lightning.fabric.utilities.distributed``, which the
+   Trainer uses) applied to the batch sampler with shuffle=False: its ``_DatasetSamplerWrapper``
+   materialises the epoch as a Python list of all B batches on every rank, every epoch.
+6. the hand-written pattern: ``batches = list(sampler)`` then the positions of a plain
+   ``DistributedSampler(range(len(batches)), W, 0, shuffle=False)``.
+
+For each it measures:
+
+* epoch seconds: create the iterator and drain this rank's whole share (``collections.deque(it,
+  maxlen=0)``, so the consumer adds next to nothing); the minimum over a few interleaved rounds, a
+  fresh wrapper each time (construction is not timed; ``set_epoch`` is called as a training loop would).
+* time to first batch: ``iter()`` plus the first ``next()``; the minimum over the timed epochs and
+  extra first-batch-only samples while they are cheap.
+* peak extra memory: a separate pass under ``tracemalloc`` (which slows allocation down a lot, so it
+  is never mixed with timing): start tracing, build the wrapper, iterate one epoch, read the peak.
+  tracemalloc sees Python objects and numpy buffers but not torch tensor storage. The floor, Lightning's
+  wrapper and the hand-written pattern hold (almost) the same memory whatever W is, so their memory
+  pass runs once per B; Lightning's at B=1e6 alone takes several GB and over a minute.
+
+It ends with PASS/FAIL lines for the targets set for our wrapper (see ``check_targets``).
+
+Run it (about 10-15 minutes on 2 cores; ``--quick`` runs B=1e4 and 1e5 only, in about a minute)::
+
+    python benchmarks/sampler_overhead.py
+    python benchmarks/sampler_overhead.py --quick
+    python benchmarks/sampler_overhead.py --sizes 1e4,1e6 --worlds 8 --plot ratios.png
+
+Timings are only meaningful on an otherwise idle machine; the load average is printed at start and end.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import sys
+import time
+import tracemalloc
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import lightning
+import numpy as np
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper as LightningSamplerWrapper
+from torch.utils.data import DistributedSampler
+
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper
+
+BATCH_SIZE = 64
+SHUFFLE_WINDOW = 16
+DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
+QUICK_SIZES = (10_000, 100_000)
+DEFAULT_WORLDS = (2, 8)
+DEFAULT_ROUNDS = 3
+EXPENSIVE_EPOCH_S = 5.0  # a contender whose epoch takes longer is timed once: noise is small next to it
+FIRST_BATCH_BUDGET_S = 0.25  # extra time-to-first-batch samples are drawn while they cost less than this
+FIRST_BATCH_MAX_SAMPLES = 25
+MB = 1e6
+
+
+# --------------------------------------------------------------------------------------------- workload
+class UserBatchSampler:
+    """A custom batch sampler as users write them: no base class, just ``__len__`` and ``__iter__``.
+
+    It holds a fixed permutation of the dataset's indices and yields consecutive 64-index slices of it as
+    lists of Python ints, which is about as cheap as a real batch sampler gets (so overheads show).
+    """
+
+    def __init__(self, num_batches: int, batch_size: int = BATCH_SIZE, seed: int = 0) -> None:
+        self.num_batches = num_batches
+        self.batch_size = batch_size
+        self._order = np.random.default_rng(seed).permutation(num_batches * batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order, size = self._order, self.batch_size
+        for start in range(0, self.num_batches * size, size):
+            yield order[start : start + size].tolist()
+
+
+class ListThenDistributedSampler:
+    """The pattern written by hand: materialise the epoch's batches, then deal positions with a stock
+    ``DistributedSampler`` over ``range(len(batches))``."""
+
+    def __init__(self, batch_sampler: UserBatchSampler, num_replicas: int, rank: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.positions = DistributedSampler(range(len(batch_sampler)), num_replicas, rank, shuffle=False)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.positions.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        batches = list(self.batch_sampler)  # per epoch: the user's sampler may reshuffle
+        for position in self.positions:
+            yield batches[position]
+
+
+# --------------------------------------------------------------------------------------------- contenders
+Factory = Callable[[UserBatchSampler, int, int], Iterable[List[int]]]
+
+
+@dataclass(frozen=True)
+class Contender:
+    key: str
+    label: str
+    make: Factory  # (user sampler, num_replicas, rank) -> what a rank iterates
+    ordered: bool  # yields batches rank, rank+W, ... in the sampler's order (checked by the sanity pass)
+    memory_once_per_size: bool = False  # its memory does not depend on W: one tracemalloc pass per B
+
+
+CONTENDERS: Tuple[Contender, ...] = (
+    Contender("floor", "floor: user sampler alone", lambda s, w, r: s, ordered=False, memory_once_per_size=True),
+    Contender("off", "ours, shuffle off", lambda s, w, r: DistributedBatchSamplerWrapper(s, w, r), ordered=True),
+    Contender(
+        "window",
+        f"ours, shuffle_window={SHUFFLE_WINDOW}",
+        lambda s, w, r: DistributedBatchSamplerWrapper(s, w, r, shuffle=True, shuffle_window=SHUFFLE_WINDOW),
+        ordered=False,
+    ),
+    Contender(
+        "full",
+        "ours, full shuffle",
+        lambda s, w, r: DistributedBatchSamplerWrapper(s, w, r, shuffle=True),
+        ordered=False,
+    ),
+    Contender(
+        "lightning",
+        "Lightning DistributedSamplerWrapper",
+        lambda s, w, r: LightningSamplerWrapper(s, num_replicas=w, rank=r, shuffle=False),
+        ordered=True,
+        memory_once_per_size=True,
+    ),
+    Contender(
+        "handwritten",
+        "list() + DistributedSampler",
+        lambda s, w, r: ListThenDistributedSampler(s, w, r),
+        ordered=True,
+        memory_once_per_size=True,
+    ),
+)
+BY_KEY = {contender.key: contender for contender in CONTENDERS}
+
+
+@dataclass
+class Result:
+    epoch_s: float
+    first_batch_s: float
+    peak_bytes: int
+    memory_reused: bool  # memory figure comes from the pass at another W (see memory_once_per_size)
+
+
+Results = Dict[Tuple[int, int, str], Result]  # (B, W, contender key) -> Result
+
+
+# --------------------------------------------------------------------------------------------- measuring
+def progress(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def start_epoch(sampler: Iterable[Any], epoch: int) -> None:
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def time_epoch(sampler: Iterable[Any], epoch: int) -> Tuple[float, float]:
+    """Seconds to drain one epoch of ``sampler``, and seconds to its first batch."""
+    start_epoch(sampler, epoch)
+    gc.collect()
+    start = time.perf_counter()
+    iterator = iter(sampler)
+    next(iterator)
+    first = time.perf_counter()
+    deque(iterator, maxlen=0)
+    end = time.perf_counter()
+    return end - start, first - start
+
+
+def time_first_batch(sampler: Iterable[Any], epoch: int) -> float:
+    """Fastest ``iter()`` + first ``next()`` over as many samples as fit in FIRST_BATCH_BUDGET_S."""
+    start_epoch(sampler, epoch)
+    gc.collect()
+    best = float("inf")
+    deadline = time.perf_counter() + FIRST_BATCH_BUDGET_S
+    for _ in range(FIRST_BATCH_MAX_SAMPLES):
+        start = time.perf_counter()
+        iterator = iter(sampler)
+        next(iterator)
+        best = min(best, time.perf_counter() - start)
+        del iterator
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def peak_memory(contender: Contender, user: UserBatchSampler, world: int) -> int:
+    """Peak bytes traced while building ``contender`` and iterating one epoch of it, above the start."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        baseline, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        sampler = contender.make(user, world, 0)
+        start_epoch(sampler, 0)
+        deque(iter(sampler), maxlen=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del sampler
+    gc.collect()
+    return peak - baseline
+
+
+def measure_cell(
+    user: UserBatchSampler, world: int, rounds: int, memory_cache: Dict[str, int]
+) -> Dict[str, Result]:
+    """All measurements for one (B, W): interleaved timing rounds, first-batch samples, memory passes."""
+    epoch_times: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
+    first_times: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
+    for round_index in range(rounds):
+        for contender in CONTENDERS:
+            times = epoch_times[contender.key]
+            if times and min(times) > EXPENSIVE_EPOCH_S:
+                continue
+            sampler = contender.make(user, world, 0)
+            epoch_s, first_s = time_epoch(sampler, epoch=round_index)
+            del sampler
+            gc.collect()
+            times.append(epoch_s)
+            first_times[contender.key].append(first_s)
+            progress(f"round {round_index + 1}/{rounds}  {contender.label:<38} epoch {epoch_s:8.3f} s")
+
+    for contender in CONTENDERS:
+        if min(first_times[contender.key]) < FIRST_BATCH_BUDGET_S:
+            sampler = contender.make(user, world, 0)
+            first_times[contender.key].append(time_first_batch(sampler, epoch=0))
+            del sampler
+            gc.collect()
+
+    results: Dict[str, Result] = {}
+    for contender in CONTENDERS:
+        reused = contender.memory_once_per_size and contender.key in memory_cache
+        if not reused:
+            progress(f"memory pass  {contender.label} (tracemalloc, slow)")
+            started = time.perf_counter()
+            memory_cache[contender.key] = peak_memory(contender, user, world)
+            progress(
+                f"memory pass  {contender.label}: {memory_cache[contender.key] / MB:.2f} MB"
+                f" in {time.perf_counter() - started:.1f} s"
+            )
+        results[contender.key] = Result(
+            epoch_s=min(epoch_times[contender.key]),
+            first_batch_s=min(first_times[contender.key]),
+            peak_bytes=memory_cache[contender.key],
+            memory_reused=reused,
+        )
+    return results
+
+
+def sanity_check(worlds: Sequence[int], num_batches: int = 1000) -> List[str]:
+    """Check on a small epoch that every contender deals what it should; returns the problems found."""
+    user = UserBatchSampler(num_batches, seed=1)
+    batches = [tuple(batch) for batch in user]
+    problems = []
+    for world in worlds:
+        for contender in CONTENDERS[1:]:
+            shares = []
+            for rank in range(world):
+                sampler = contender.make(user, world, rank)
+                start_epoch(sampler, 3)
+                shares.append([tuple(batch) for batch in sampler])
+            if contender.ordered and shares[0] != batches[0::world]:
+                problems.append(f"{contender.label}, W={world}: rank 0 does not get batches 0, W, 2W, ...")
+            if any(len(share) != -(-num_batches // world) for share in shares):
+                problems.append(f"{contender.label}, W={world}: share lengths {sorted({len(s) for s in shares})}")
+            if sorted(batch for share in shares for batch in share) != sorted(batches):
+                problems.append(f"{contender.label}, W={world}: the ranks' shares do not partition the epoch")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------- reporting
+def size_label(value: int) -> str:
+    exponent = len(str(value)) - 1
+    return f"1e{exponent}" if value == 10**exponent and exponent >= 3 else str(value)
+
+
+def format_table(results: Results, num_batches: int, world: int) -> str:
+    floor = results[(num_batches, world, "floor")].epoch_s
+    header = f"{'contender':<38} {'epoch s':>9} {'x floor':>8} {'1st batch ms':>13} {'peak extra MB':>14}"
+    lines = [f"B={size_label(num_batches)} batches of {BATCH_SIZE}, W={world} (rank 0)", header, "-" * len(header)]
+    for contender in CONTENDERS:
+        result = results[(num_batches, world, contender.key)]
+        note = "*" if result.memory_reused else " "
+        lines.append(
+            f"{contender.label:<38} {result.epoch_s:9.3f} {result.epoch_s / floor:7.2f}x"
+            f" {result.first_batch_s * 1e3:13.3f} {result.peak_bytes / MB:13.2f}{note}"
+        )
+    if any(results[(num_batches, world, c.key)].memory_reused for c in CONTENDERS):
+        lines.append("* memory measured once per B (at the first W); it does not depend on W")
+    return "\n".join(lines)
+
+
+@dataclass
+class Check:
+    passed: bool
+    text: str
+
+
+def check_targets(results: Results, sizes: Sequence[int], worlds: Sequence[int]) -> List[Check]:
+    """The targets for our wrapper.
+
+    Shuffle off and windowed: epoch <= 1.05x floor at every size; time to first batch at the largest B
+    within 2x of that at the smallest; peak extra memory <= 5 MB at the largest B.
+    Full shuffle: epoch <= 1.5x floor at every size; peak memory <= 0.25x Lightning's at the largest B.
+    """
+    small, large = min(sizes), max(sizes)
+    checks: List[Check] = []
+
+    def get(num_batches: int, world: int, key: str) -> Result:
+        return results[(num_batches, world, key)]
+
+    for key in ("off", "window"):
+        label = BY_KEY[key].label
+        for world in worlds:
+            for num_batches in sizes:
+                ratio = get(num_batches, world, key).epoch_s / get(num_batches, world, "floor").epoch_s
+                checks.append(
+                    Check(ratio <= 1.05, f"{label}: epoch <= 1.05x floor  (B={size_label(num_batches)}, W={world}): {ratio:.3f}x")
+                )
+            if small != large:
+                first_small = get(small, world, key).first_batch_s
+                first_large = get(large, world, key).first_batch_s
+                ratio = first_large / first_small
+                checks.append(
+                    Check(
+                        ratio <= 2.0,
+                        f"{label}: 1st batch at B={size_label(large)} <= 2x B={size_label(small)}  (W={world}):"
+                        f" {first_large * 1e3:.3f} ms vs {first_small * 1e3:.3f} ms = {ratio:.2f}x",
+                    )
+                )
+            peak = get(large, world, key).peak_bytes / MB
+            checks.append(Check(peak <= 5.0, f"{label}: peak extra <= 5 MB  (B={size_label(large)}, W={world}): {peak:.2f} MB"))
+
+    label = BY_KEY["full"].label
+    for world in worlds:
+        for num_batches in sizes:
+            ratio = get(num_batches, world, "full").epoch_s / get(num_batches, world, "floor").epoch_s
+            checks.append(
+                Check(ratio <= 1.5, f"{label}: epoch <= 1.5x floor  (B={size_label(num_batches)}, W={world}): {ratio:.3f}x")
+            )
+        ours = get(large, world, "full").peak_bytes
+        theirs = get(large, world, "lightning").peak_bytes
+        checks.append(
+            Check(
+                ours <= 0.25 * theirs,
+                f"{label}: peak <= 0.25x Lightning's  (B={size_label(large)}, W={world}):"
+                f" {ours / MB:.1f} MB vs {theirs / MB:.1f} MB = {ours / theirs:.3f}x",
+            )
+        )
+    return checks
+
+
+def plot_ratios(results: Results, sizes: Sequence[int], worlds: Sequence[int], path: str) -> None:
+    """Grouped bars of epoch time / floor per (B, W), one bar per contender."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written", file=sys.stderr)
+        return
+    cells = [(b, w) for b in sizes for w in worlds]
+    contenders = CONTENDERS[1:]
+    width = 0.8 / len(contenders)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.6 * len(cells)), 4.5))
+    for index, contender in enumerate(contenders):
+        ratios = [results[(b, w, contender.key)].epoch_s / results[(b, w, "floor")].epoch_s for b, w in cells]
+        axes.bar([i + index * width for i in range(len(cells))], ratios, width, label=contender.label)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.axhline(1.05, color="green", linestyle="--", linewidth=0.8, label="target 1.05x (off, windowed)")
+    axes.axhline(1.5, color="orange", linestyle="--", linewidth=0.8, label="target 1.5x (full shuffle)")
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    axes.set_xticklabels([f"B={size_label(b)}\nW={w}" for b, w in cells])
+    axes.set_ylabel("epoch time / floor (user sampler alone)")
+    axes.set_title(f"Per-rank epoch cost of dealing a batch sampler (batches of {BATCH_SIZE})")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# --------------------------------------------------------------------------------------------- main
+def parse_counts(text: str) -> List[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=parse_counts, help="batches per epoch, e.g. 1e4,1e5,1e6 (default)")
+    parser.add_argument("--worlds", type=parse_counts, help="world sizes, e.g. 2,8 (default)")
+    parser.add_argument("--quick", action="store_true", help="B=1e4,1e5 only (unless --sizes is given)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="timed epochs per contender (min is kept)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the ratio table (needs matplotlib)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    sizes = sorted(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    worlds = sorted(args.worlds or DEFAULT_WORLDS)
+    started = time.perf_counter()
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__},"
+        f" numpy {np.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds}\n", flush=True)
+
+    problems = sanity_check(worlds)
+    for problem in problems:
+        print(f"SANITY FAIL: {problem}", flush=True)
+
+    results: Results = {}
+    for num_batches in sizes:
+        progress(f"building the user sampler, B={size_label(num_batches)}")
+        user = UserBatchSampler(num_batches)
+        memory_cache: Dict[str, int] = {}
+        for world in worlds:
+            progress(f"B={size_label(num_batches)} W={world}")
+            for key, result in measure_cell(user, world, args.rounds, memory_cache).items():
+                results[(num_batches, world, key)] = result
+            print(format_table(results, num_batches, world) + "\n", flush=True)
+        del user
+        gc.collect()
+
+    print("Targets for our wrapper")
+    checks = check_targets(results, sizes, worlds)
+    checks += [Check(False, f"sanity: {problem}") for problem in problems] or [
+        Check(True, "sanity: every contender deals the expected shares (B=1000)")
+    ]
+    for check in checks:
+        print(f"{'PASS' if check.passed else 'FAIL'}  {check.text}")
+    failed = sum(not check.passed for check in checks)
+    print(f"\n{len(checks) - failed}/{len(checks)} passed", end="")
+    print(f"; load average {os.getloadavg()[0]:.2f} at end; {time.perf_counter() - started:.0f} s in all")
+    if args.plot:
+        plot_ratios(results, sizes, worlds, args.plot)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

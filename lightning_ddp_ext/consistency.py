@@ -1,0 +1,127 @@
+"""Check that every rank drew the same sequence from its copy of the user's sampler.
+
+Dealing batches out by position is only a partition when every rank's sampler yields the same sequence. An
+unseeded random sampler draws a different sequence on each rank: the shares then overlap, part of the data
+is never seen, and nothing fails. Each wrapper keeps a cheap running :class:`SequenceDigest`;
+:func:`verify_same_sequence` compares it across ranks and raises with advice instead.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["SequenceDigest", "RunningDigest", "verify_same_sequence"]
+
+#: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
+_HEAD_ITEMS = 64
+_STRIDE = 64
+
+
+@dataclass(frozen=True)
+class SequenceDigest:
+    """What a rank read from its sampler in one epoch, in a form cheap to compare across ranks.
+
+    Attributes:
+        sampler: class name of the user's sampler, for error messages.
+        epoch: the epoch the sequence belongs to.
+        declared_length: ``len()`` of the user's sampler for that epoch.
+        items: how many items the digest covers.
+        value: hash of the first items and of a regular sample of the rest.
+    """
+
+    sampler: str
+    epoch: int
+    declared_length: int
+    items: int
+    value: int
+
+
+class RunningDigest:
+    """Hashes the first ``_HEAD_ITEMS`` items of a sequence and every ``_STRIDE``-th one after them.
+
+    Hashing every batch would cost as much as producing it; sampling keeps the cost near zero and still
+    catches a sampler that draws differently on each rank, which differs from its first batch on. The
+    hashed items are also validated: each must be an integer index or a sequence of them.
+    """
+
+    def __init__(self, sampler: str, epoch: int, declared_length: int, batched: bool) -> None:
+        self._sampler = sampler
+        self._epoch = epoch
+        self._declared_length = declared_length
+        self._batched = batched
+        self._value = 0
+        self._items = 0
+
+    def update(self, items: Sequence[Any], start: int) -> None:
+        """Account for ``items``, which sit at positions ``start, start + 1, ...`` of the sequence."""
+        end = start + len(items)
+        self._items = end
+        if start >= _HEAD_ITEMS and (start - 1) // _STRIDE == (end - 1) // _STRIDE:
+            return  # no sampled position in this block
+        for position in range(start, end):
+            if position < _HEAD_ITEMS or position % _STRIDE == 0:
+                self._value = hash((self._value, position, self._key(items[position - start], position)))
+
+    def _key(self, item: Any, position: int) -> Any:
+        try:
+            if self._batched:
+                if isinstance(item, (str, bytes)):
+                    raise TypeError
+                return tuple(map(operator.index, item))
+            return operator.index(item)
+        except TypeError:
+            expected = "a sequence of integer indices" if self._batched else "an integer index"
+            hint = (
+                " If it yields single indices, wrap it with DistributedSamplerWrapper instead."
+                if self._batched
+                else " If it yields batches, wrap it with DistributedBatchSamplerWrapper instead."
+            )
+            raise TypeError(
+                f"{self._sampler} yielded {item!r} ({type(item).__name__}) at position {position}; each item must"
+                f" be {expected}.{hint}"
+            ) from None
+
+    def snapshot(self) -> SequenceDigest:
+        return SequenceDigest(self._sampler, self._epoch, self._declared_length, self._items, self._value)
+
+
+def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any] = None) -> None:
+    """Raise RuntimeError unless every rank of ``group`` holds the same digests, in one collective.
+
+    Every rank must call this at the same point with digests of the same samplers in the same order (it
+    is a collective). ``None`` entries (a sampler not iterated yet) take part as they are. Does nothing
+    when no process group is initialised.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gathered: list[Optional[tuple[Optional[SequenceDigest], ...]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, tuple(digests), group=group)
+    reference = gathered[0]
+    assert reference is not None
+    for rank, others in enumerate(gathered):
+        assert others is not None
+        for mine, theirs in zip(reference, others):
+            if mine != theirs:
+                raise _divergence_error(mine, theirs, rank)
+
+
+def _divergence_error(
+    reference: Optional[SequenceDigest], other: Optional[SequenceDigest], rank: int
+) -> RuntimeError:
+    known = reference or other
+    assert known is not None
+    if reference is None or other is None:
+        what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
+    elif other.declared_length != reference.declared_length:
+        what = f"len() is {reference.declared_length} on rank 0 but {other.declared_length} on rank {rank}"
+    else:
+        what = f"the sequences it yielded in epoch {reference.epoch} differ between rank 0 and rank {rank}"
+    return RuntimeError(
+        f"{known.sampler} does not produce the same sequence on every rank: {what}. Each rank keeps every W-th"
+        " item of that sequence, so different sequences overlap and part of the data is never seen. Seed the"
+        " sampler identically on every rank (for example pass a torch.Generator seeded with the same number, and"
+        " derive per-epoch randomness from seed + epoch in set_epoch), and give it the same data on every rank."
+    )

@@ -1,0 +1,152 @@
+"""Rebuild a DataLoader so that each rank iterates its own share, keeping the user's sampler whole.
+
+What gets wrapped, by what the loader holds:
+
+* a default ``RandomSampler``/``SequentialSampler`` (under torch's plain ``BatchSampler`` or none):
+  torch's ``DistributedSampler`` over the dataset, shuffling when the original did;
+* a custom index sampler (under torch's plain ``BatchSampler`` or none): ``DistributedSamplerWrapper``,
+  then batched as before;
+* any other batch sampler (a ``BatchSampler`` subclass or a class of its own): ``DistributedBatchSamplerWrapper``,
+  which deals its batches out whole.
+
+No Lightning import here: this works with plain ``torch.distributed``.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Dict, Optional
+
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _resolve_world
+
+__all__ = ["patch_dataloader_to_ddp", "is_sharded", "WRAPPER_OPTIONS"]
+
+#: Keyword options of the wrappers that ``patch_dataloader_to_ddp`` accepts.
+WRAPPER_OPTIONS = ("shuffle", "seed", "pad", "shuffle_window")
+
+# DataLoader arguments that describe how indices are drawn: these are what we replace. Every other
+# argument of DataLoader's signature (read at call time, so new torch arguments carry over) is copied.
+_SAMPLING_ARGUMENTS = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def is_sharded(loader: DataLoader) -> bool:
+    """Whether the loader already gives each rank its own share (a distributed sampler or one of ours)."""
+    sharded = (DistributedSampler, DistributedSamplerWrapper, DistributedBatchSamplerWrapper)
+    return isinstance(loader.sampler, sharded) or isinstance(loader.batch_sampler, sharded)
+
+
+def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
+    """Samplers that DistributedSampler reproduces exactly: sequential, or a plain permutation."""
+    if type(sampler) is SequentialSampler:
+        return True
+    if type(sampler) is RandomSampler:
+        return not sampler.replacement and sampler.num_samples == len(dataset)
+    return False
+
+
+def _carried_arguments(loader: DataLoader) -> Dict[str, Any]:
+    carried: Dict[str, Any] = {}
+    for name in inspect.signature(DataLoader.__init__).parameters:
+        if name in _SAMPLING_ARGUMENTS or not hasattr(loader, name):
+            continue
+        carried[name] = getattr(loader, name)
+    return carried
+
+
+def patch_dataloader_to_ddp(
+    loader: DataLoader,
+    num_replicas: Optional[int] = None,
+    rank: Optional[int] = None,
+    **options: Any,
+) -> DataLoader:
+    """Return a new DataLoader over the same dataset that yields only this rank's share.
+
+    Every DataLoader argument other than the sampling ones is carried over. The user's sampler or batch
+    sampler is wrapped, never rebuilt, so batches a batch sampler builds itself reach the model unchanged.
+
+    Args:
+        loader: the single-process DataLoader.
+        num_replicas: number of ranks; defaults to the default process group's world size.
+        rank: this rank; defaults to the rank in the default process group.
+        **options: ``shuffle``, ``seed``, ``pad`` and ``shuffle_window`` for the wrappers (see
+            :class:`~lightning_ddp_ext.samplers.DistributedBatchSamplerWrapper`); ``seed`` and ``pad`` (as
+            ``not drop_last``) also apply to the ``DistributedSampler`` used for default samplers.
+
+    Returns:
+        The new loader; the loader itself when there is nothing to shard (an IterableDataset, a loader that is
+        already sharded, or no process group and no explicit ``num_replicas``/``rank``), with a warning.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(10), batch_size=2)
+        >>> [batch.tolist() for batch in patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)]
+        [[1, 3], [5, 7], [9]]
+    """
+    unknown = set(options) - set(WRAPPER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"patch_dataloader_to_ddp got unknown option(s) {sorted(unknown)}; the accepted ones are"
+            f" {list(WRAPPER_OPTIONS)}."
+        )
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"patch_dataloader_to_ddp expects a torch DataLoader, got {type(loader).__name__}.")
+    if isinstance(loader.dataset, IterableDataset):
+        _warn_once(
+            f"patch_dataloader_to_ddp: {type(loader.dataset).__name__} is an IterableDataset; the loader is returned"
+            " unchanged. An iterable dataset must shard itself (read torch.distributed.get_rank() and"
+            " torch.utils.data.get_worker_info() in its __iter__)."
+        )
+        return loader
+    if num_replicas is None and rank is None and not (dist.is_available() and dist.is_initialized()):
+        _warn_once(
+            "patch_dataloader_to_ddp: no process group is initialised and no num_replicas/rank were given, so the"
+            " loader is returned unchanged (single-process run). Initialise torch.distributed first, or pass"
+            " num_replicas and rank."
+        )
+        return loader
+    if is_sharded(loader):
+        return loader
+    world, own_rank = _resolve_world(num_replicas, rank, "patch_dataloader_to_ddp")
+    wrapper_kwargs = dict(options, num_replicas=world, rank=own_rank)
+    carried = _carried_arguments(loader)
+    dataset = loader.dataset
+    batch_sampler = loader.batch_sampler
+    plain_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
+    if not plain_batching:
+        new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)
+        return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
+
+    sampler = loader.sampler
+    new_sampler: Sampler[Any]
+    if _is_default_sampler(sampler, dataset):
+        new_sampler = DistributedSampler(
+            dataset,
+            num_replicas=world,
+            rank=own_rank,
+            shuffle=type(sampler) is RandomSampler,
+            seed=options.get("seed", 0),
+            drop_last=not options.get("pad", True),
+        )
+    else:
+        new_sampler = DistributedSamplerWrapper(sampler, **wrapper_kwargs)
+    if batch_sampler is None:  # automatic batching off: the sampler's indices are the items
+        return DataLoader(dataset, batch_size=None, sampler=new_sampler, **carried)
+    return DataLoader(
+        dataset,
+        batch_size=loader.batch_size,
+        drop_last=loader.drop_last,
+        sampler=new_sampler,
+        **carried,
+    )

@@ -1,0 +1,356 @@
+"""Deal a user's (batch) sampler out among ranks without rebuilding it.
+
+Stock tools either re-instantiate a batch sampler with a ``DistributedSampler`` injected (which silently
+changes samplers that build their own batches) or materialise the whole epoch as Python lists on every rank.
+The wrappers here iterate the user's object once per epoch, unchanged, and keep every W-th item:
+
+    sequence of the epoch:  b0 b1 b2 b3 b4 b5 b6      (W = 3, pad=True)
+    padded to a multiple:   b0 b1 b2 b3 b4 b5 b6 b0 b1
+    rank 0 yields           b0       b3       b6
+    rank 1 yields              b1       b4       b0
+    rank 2 yields                 b2       b5       b1
+
+With ``shuffle=False`` a rank holds one round of W items at a time; with ``shuffle_window=K`` it permutes
+consecutive windows of K*W items and holds one window; only ``shuffle=True, shuffle_window=None`` needs
+the whole epoch, and then each rank keeps just its own share, compactly (see ``_store``).
+
+No Lightning import here: the wrappers work with plain ``torch.distributed``.
+"""
+from __future__ import annotations
+
+from itertools import islice
+from typing import Any, Generic, Iterable, Iterator, List, Optional, Sequence, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from lightning_ddp_ext._store import CompactStore
+from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
+
+__all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "LengthMismatchError"]
+
+T = TypeVar("T")
+
+# Windows whose permutations are drawn in one call grow 1, 2, 4, ... up to this many elements, so that the
+# first batch costs one tiny draw whatever the epoch's length.
+_MAX_PERMUTATION_ELEMENTS = 1 << 16
+
+
+class LengthMismatchError(RuntimeError):
+    """The user's sampler yielded a different number of items than its ``len()`` announced."""
+
+
+def _resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{owner} needs num_replicas and rank: pass them explicitly, or initialise the default process"
+                " group (torch.distributed.init_process_group) before creating it."
+            )
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"{owner}: num_replicas must be an integer >= 1, got {num_replicas!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        raise ValueError(f"{owner}: rank must be an integer in [0, {num_replicas - 1}], got {rank!r}.")
+    return num_replicas, rank
+
+
+class _DealingWrapper(Sampler[T], Generic[T]):
+    """Everything both wrappers share; subclasses only say whether items are batches or indices."""
+
+    _batched: bool
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        pad: bool = True,
+        shuffle_window: Optional[int] = None,
+    ) -> None:
+        owner = type(self).__name__
+        if not hasattr(source, "__len__") or not hasattr(source, "__iter__"):
+            raise TypeError(
+                f"{owner} needs an iterable with __len__, got {type(source).__name__}: every rank must know the"
+                " number of items in advance to take equal shares. Add a __len__ that returns how many items"
+                " one epoch yields (or use an IterableDataset that shards itself)."
+            )
+        if shuffle_window is not None and (
+            isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1
+        ):
+            raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
+        self.source = source
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.pad = pad
+        self.shuffle_window = shuffle_window
+        self.epoch = 0
+        self._source_name = type(source).__name__
+        self._head_digest: Optional[SequenceDigest] = None
+        self._epoch_digest: Optional[SequenceDigest] = None
+        self._plan(self._declared_length())  # fail early on an empty or too short source
+
+    # ------------------------------------------------------------------ sizes
+    def _declared_length(self) -> int:
+        length = len(self.source)  # type: ignore[arg-type]
+        if length < 1:
+            raise ValueError(
+                f"{self._source_name} is empty (len() == 0): there is nothing to deal out among"
+                f" {self.num_replicas} ranks. Check the dataset and the sampler's arguments."
+            )
+        return length
+
+    def _plan(self, length: int) -> int:
+        """Return how many positions the dealt sequence has (a multiple of num_replicas)."""
+        world = self.num_replicas
+        if self.pad:
+            return -(-length // world) * world
+        if length < world:
+            raise ValueError(
+                f"{self._source_name} yields {length} item(s) per epoch, fewer than the {world} ranks, and pad=False"
+                " drops the incomplete round: every rank would get nothing and the others would wait for it"
+                " forever. Use pad=True, fewer ranks, or more data."
+            )
+        return length // world * world
+
+    def __len__(self) -> int:
+        return self._plan(self._declared_length()) // self.num_replicas
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (it seeds the shuffle) and forward it to the user's sampler.
+
+        Forwarded to ``source.set_epoch`` and, for a batch sampler, to ``source.sampler.set_epoch`` when
+        they exist: the calls a single-process Lightning loop would have made.
+        """
+        self.epoch = epoch
+        targets: dict[int, Any] = {}
+        for candidate in (self.source, getattr(self.source, "sampler", None) if self._batched else None):
+            set_epoch = getattr(candidate, "set_epoch", None)
+            if candidate is not None and callable(set_epoch):
+                targets[id(candidate)] = set_epoch
+        for set_epoch in targets.values():
+            set_epoch(epoch)
+
+    @property
+    def head_digest(self) -> Optional[SequenceDigest]:
+        """Digest of the first window of the current epoch, available once the first item was yielded."""
+        return self._head_digest
+
+    @property
+    def epoch_digest(self) -> Optional[SequenceDigest]:
+        """Digest of the last epoch that was iterated to its end."""
+        return self._epoch_digest
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[T]:
+        length = self._declared_length()
+        total = self._plan(length)
+        digest = RunningDigest(self._source_name, self.epoch, length, self._batched)
+        self._head_digest = None
+        generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
+        if generator is not None and self.shuffle_window is None:
+            items = self._iter_full_shuffle(length, total, digest, generator)
+        else:
+            window = self.num_replicas * (self.shuffle_window or 1)
+            items = self._iter_windows(length, total, window, digest, generator)
+        for item in items:
+            yield item
+        self._epoch_digest = digest.snapshot()
+
+    def _mismatch(self, length: int, produced: int) -> LengthMismatchError:
+        return LengthMismatchError(
+            f"{self._source_name}.__len__() returned {length} but iterating it produced {produced} item(s) in"
+            f" epoch {self.epoch}. Ranks step in lock-step on len(), so a wrong __len__ makes DDP hang or drop data:"
+            f" make __len__ return exactly the number of items __iter__ yields for the current epoch."
+        )
+
+    def _iter_windows(
+        self,
+        length: int,
+        total: int,
+        window: int,
+        digest: RunningDigest,
+        generator: Optional[torch.Generator],
+    ) -> Iterator[T]:
+        """Read ``window`` items at a time, optionally permute them, and keep every W-th one.
+
+        A window is only dealt once it was read completely, so every rank yields the same number of
+        items even when the sampler runs out early; the length is checked before the last window.
+        """
+        world, rank = self.num_replicas, self.rank
+        iterator = iter(self.source)
+        pad_count = total - length
+        head: List[Any] = []  # the first items, kept to pad the last round
+        permutations = _window_permutations(total, window, world, rank, generator) if generator else None
+        for start in range(0, total, window):
+            size = min(window, total - start)
+            real = max(0, min(size, length - start))
+            block = list(islice(iterator, real))
+            if len(block) < real:
+                raise self._mismatch(length, start + len(block))
+            digest.update(block, start)
+            if len(head) < pad_count:
+                head.extend(block[: pad_count - len(head)])
+            if start + size >= total:  # last window: the sampler must end exactly at `length`
+                remaining = sum(1 for _ in iterator)
+                if start + real + remaining != length:
+                    raise self._mismatch(length, start + real + remaining)
+                block.extend(head[(position - length) % len(head)] for position in range(start + real, start + size))
+            if start == 0:
+                self._head_digest = digest.snapshot()
+            if permutations is None:
+                yield from block[rank::world]
+            else:
+                for position in next(permutations):
+                    yield block[position]
+
+    def _iter_full_shuffle(self, length: int, total: int, digest: RunningDigest, generator: torch.Generator) -> Iterator[T]:
+        """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly."""
+        world, rank = self.num_replicas, self.rank
+        own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
+        # Padding positions repeat the start of the sequence.
+        own_sources = np.where(own_positions < length, own_positions, (own_positions - length) % length)
+        needed_sources, slot_of_position = np.unique(own_sources, return_inverse=True)
+        needed = np.zeros(length, dtype=np.bool_)
+        needed[needed_sources] = True
+        needed_flags = needed.tobytes()
+        store = CompactStore(batched=self._batched)
+        produced = 0
+        probe: List[Any] = [None]
+        for produced, item in enumerate(self.source, start=1):
+            position = produced - 1
+            if position < length and needed_flags[position]:
+                store.append(item)
+            if position < 64 or position % 64 == 0:
+                probe[0] = item
+                digest.update(probe, position)
+        if produced != length:
+            raise self._mismatch(length, produced)
+        digest.update([], length)
+        self._head_digest = digest.snapshot()
+        return_order = slot_of_position.reshape(-1)
+        yield from store.iter_in_order(return_order)  # type: ignore[misc]
+
+
+def _window_permutations(
+    total: int, window: int, world: int, rank: int, generator: torch.Generator
+) -> Iterator[List[int]]:
+    """Yield, window by window, the positions this rank takes from each permuted window.
+
+    Permutations are drawn in growing batches of windows (argsort of uniform keys), so the first costs
+    little; every rank draws the same numbers in the same order, whatever its rank.
+    """
+    full_windows, last = divmod(total, window)
+    batch = 1
+    done = 0
+    while done < full_windows:
+        count = min(batch, full_windows - done)
+        keys = torch.rand((count, window), generator=generator)
+        yield from keys.argsort(dim=1)[:, rank::world].tolist()
+        done += count
+        batch = min(batch * 2, max(1, _MAX_PERMUTATION_ELEMENTS // window))
+    if last:
+        yield torch.randperm(last, generator=generator)[rank::world].tolist()
+
+
+class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
+    """Deal the batches of any batch sampler out among ranks, each batch unchanged.
+
+    Rank ``r`` of ``W`` yields batches ``r, r + W, r + 2W, ...`` of the sequence the user's batch sampler
+    yields this epoch. The user's object is only iterated, never rebuilt or modified, so samplers that build
+    batches themselves (P x K class-balanced, length buckets, token budgets) keep their batches.
+
+    Args:
+        batch_sampler: any iterable of index sequences with ``__len__``; it need not subclass BatchSampler.
+        num_replicas: number of ranks W; defaults to the world size of the default process group.
+        rank: this rank; defaults to the rank in the default process group.
+        shuffle: permute the batch order before dealing, seeded by ``seed + epoch`` (same on every rank).
+        seed: base seed of that permutation.
+        pad: True repeats batches from the start of the epoch's sequence so every rank gets
+            ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each).
+        shuffle_window: with ``shuffle=True``, permute within consecutive windows of ``shuffle_window * W``
+            batches and stream; None shuffles the whole epoch, which must then be read before the first batch.
+
+    Example:
+        >>> batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+        >>> [list(DistributedBatchSamplerWrapper(batches, num_replicas=2, rank=r)) for r in range(2)]
+        [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [0, 1]]]
+
+    .. warning::
+        Every rank must iterate an identically seeded copy of the sampler, or the shares overlap: compare
+        :attr:`head_digest` across ranks with :func:`lightning_ddp_ext.consistency.verify_same_sequence`.
+        Call :meth:`set_epoch` before each epoch when shuffling, as with ``DistributedSampler``.
+    """
+
+    _batched = True
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[Sequence[int]],
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        pad: bool = True,
+        shuffle_window: Optional[int] = None,
+    ) -> None:
+        super().__init__(batch_sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window)
+        self.sampler = _EpochRelay(self)
+
+    @property
+    def batch_sampler(self) -> Iterable[Sequence[int]]:
+        """The user's batch sampler, unchanged."""
+        return self.source
+
+
+class DistributedSamplerWrapper(_DealingWrapper[int]):
+    """Deal the indices of any index sampler out among ranks (each rank gets a disjoint share).
+
+    The same algorithm as :class:`DistributedBatchSamplerWrapper`, for samplers that yield single indices
+    (weighted, curriculum, or hard-negative samplers). Arguments are the same, with indices for batches.
+
+    Example:
+        >>> [list(DistributedSamplerWrapper(range(5), num_replicas=2, rank=r, pad=False)) for r in range(2)]
+        [[0, 2], [1, 3]]
+    """
+
+    _batched = False
+
+    def __init__(
+        self,
+        sampler: Iterable[int],
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        pad: bool = True,
+        shuffle_window: Optional[int] = None,
+    ) -> None:
+        super().__init__(sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window)
+
+    @property
+    def sampler(self) -> Iterable[int]:
+        """The user's sampler, unchanged."""
+        return self.source
+
+
+class _EpochRelay:
+    """Exposed as ``wrapper.sampler`` so that loops calling ``loader.batch_sampler.sampler.set_epoch(e)``
+    (Lightning's, accelerate's) reach the wrapper: they never call ``set_epoch`` on the batch sampler itself.
+    """
+
+    def __init__(self, wrapper: DistributedBatchSamplerWrapper) -> None:
+        self._wrapper = wrapper
+
+    def set_epoch(self, epoch: int) -> None:
+        self._wrapper.set_epoch(epoch)
+
+    def __repr__(self) -> str:
+        return f"_EpochRelay(to={type(self._wrapper).__name__} over {self._wrapper._source_name})"

@@ -1,0 +1,318 @@
+"""``CustomDDP``: Lightning's DDPStrategy with DDPPlugin-style hooks and sampler dealing for custom samplers.
+
+Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, and every private
+Lightning access in ``_compat``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Generator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_ddp_ext import _compat
+from lightning_ddp_ext.consistency import SequenceDigest, verify_same_sequence
+from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+
+__all__ = ["CustomDDP", "process_group_backend_for"]
+
+log = logging.getLogger(__name__)
+
+_Wrapper = Union[DistributedBatchSamplerWrapper, DistributedSamplerWrapper]
+
+
+def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
+    """The process-group backend for a root device: ``requested`` if given, NCCL on CUDA, Gloo otherwise."""
+    if requested is not None:
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _wrapper_of(loader: DataLoader) -> Optional[_Wrapper]:
+    for candidate in (loader.batch_sampler, loader.sampler):
+        if isinstance(candidate, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)):
+            return candidate
+    return None
+
+
+class CustomDDP(DDPStrategy):
+    """DDP that deals any custom (batch) sampler out among ranks, with overridable DDPPlugin-style hooks.
+
+    Lightning replaces samplers by re-instantiating them with a ``DistributedSampler`` inside, which fails
+    for batch samplers with their own constructor and silently changes the ones that build batches
+    themselves. This strategy turns that off and wraps the loader instead: the user's batch sampler is
+    iterated whole on every rank and rank ``r`` keeps batches ``r, r + W, ...``
+    (:class:`~lightning_ddp_ext.samplers.DistributedBatchSamplerWrapper`).
+
+    Args:
+        shuffle_batches_between_ranks: permute the batch order of training loaders before dealing (seeded by
+            ``seed + epoch``), so a rank does not always get the same positions of the user's sequence.
+        shuffle_window: with shuffling, permute within windows of ``shuffle_window * W`` batches and stream;
+            None shuffles the whole epoch.
+        pad_to_world_size: repeat batches from the start of the epoch so every rank gets the same count
+            (False drops the incomplete last round).
+        check_sampler_consistency: compare, across ranks, the lengths and a digest of what each rank's sampler
+            yields, and raise before the first optimizer step when they differ (an unseeded sampler).
+        seed: base seed of the shuffles and of ``DistributedSampler`` for default samplers.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts, including keyword
+            arguments for the model wrapper (``find_unused_parameters``, ``static_graph``, ...).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(start_method="spawn"))
+        >>> type(trainer.strategy).__name__
+        'CustomDDP'
+    """
+
+    strategy_name = "ddp_custom_sampler"
+    #: (registry name, constructor arguments) registered by :meth:`register_strategies`.
+    registry_entries: tuple[tuple[str, Dict[str, Any]], ...] = (
+        ("ddp_custom_sampler", {"start_method": "popen"}),
+        ("ddp_custom_sampler_spawn", {"start_method": "spawn"}),
+        ("ddp_custom_sampler_fork", {"start_method": "fork"}),
+        ("ddp_custom_sampler_find_unused_parameters_true", {"start_method": "popen", "find_unused_parameters": True}),
+    )
+
+    def __init__(
+        self,
+        *,
+        shuffle_batches_between_ranks: bool = False,
+        shuffle_window: Optional[int] = None,
+        pad_to_world_size: bool = True,
+        check_sampler_consistency: bool = True,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
+        self.shuffle_window = shuffle_window
+        self.pad_to_world_size = pad_to_world_size
+        self.check_sampler_consistency = check_sampler_consistency
+        self.seed = seed
+        self._replace_samplers = True
+        self._watched: Dict[str, List[_Wrapper]] = {}
+        self._verified_train_epoch: Optional[int] = None
+
+    # ------------------------------------------------------------------ process group
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self.init_ddp_connection(self.global_rank, self.world_size)
+
+    def init_ddp_connection(self, global_rank: int, world_size: int) -> None:
+        """Initialise the default process group; override to change how ranks meet.
+
+        The backend is ``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo
+        otherwise; ``timeout=`` bounds every collective, so a dead rank fails the others instead of hanging.
+        """
+        backend = process_group_backend_for(self.root_device, _compat.requested_process_group_backend(self))
+        _compat.set_process_group_backend(self, backend)
+        if dist.is_initialized():
+            return
+        assert self.cluster_environment is not None
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        kwargs: Dict[str, Any] = {"timeout": _compat.process_group_timeout(self)}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        log.info(f"Initializing distributed: GLOBAL_RANK: {global_rank}, MEMBER: {global_rank + 1}/{world_size}")
+        dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)
+        rank_zero_info(f"{type(self).__name__}: {world_size} processes joined over {backend}.")
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group gradients are averaged over (the whole world)."""
+        return dist.group.WORLD
+
+    # ------------------------------------------------------------------ model wrapping
+    @property
+    def ddp_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for the model wrapper, as given to the constructor."""
+        return _compat.ddp_kwargs(self)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self._replace_samplers = _compat.take_over_sampler_replacement(trainer)
+        self._watched = {}
+        self._verified_train_epoch = None
+        if not self._replace_samplers:
+            rank_zero_info(
+                f"{type(self).__name__}: Trainer(use_distributed_sampler=False) was given, so dataloaders are used as"
+                " they are: each rank must load its own share."
+            )
+        with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
+            super().setup(trainer)
+
+    def _wrap_lightning_model(self) -> None:
+        assert self.model is not None
+        # Through the class: during `setup` the instance attribute `configure_ddp` is this adapter.
+        self.model = type(self).configure_ddp(self, self.model, self.determine_ddp_device_ids())
+        self._register_comm_hook()
+
+    def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:
+        """Wrap ``model`` for data-parallel training and return the wrapper; override to use another wrapper.
+
+        The default is ``DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)`` with
+        ``find_unused_parameters=False`` unless given. A wrapper with a ``no_sync()`` context manager gets
+        its gradient synchronisation skipped during gradient accumulation.
+        """
+        kwargs = {"find_unused_parameters": False, **self.ddp_kwargs}
+        # Build DDP on a side stream on GPU, as Lightning does (https://pytorch.org/docs/stable/notes/cuda.html).
+        stream = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with stream:
+            return DistributedDataParallel(module=model, device_ids=device_ids, **kwargs)
+
+    def _register_comm_hook(self) -> None:
+        """Register ``ddp_comm_hook`` on any device (Lightning only does so on CUDA; gloo supports hooks too)."""
+        state, hook, hook_wrapper = _compat.comm_hook_arguments(self)
+        if hook is None:
+            return
+        register = getattr(self.model, "register_comm_hook", None)
+        if not callable(register):
+            raise TypeError(
+                f"ddp_comm_hook was given but the model wrapper {type(self.model).__name__} returned by configure_ddp"
+                " has no register_comm_hook(); return a DistributedDataParallel or drop ddp_comm_hook."
+            )
+        register(state=state, hook=hook_wrapper(hook) if hook_wrapper is not None else hook)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient synchronisation (``no_sync()``) of whatever wrapper ``configure_ddp`` returned."""
+        no_sync = getattr(self.model, "no_sync", None)
+        with no_sync() if callable(no_sync) else nullcontext():
+            yield None
+
+    def get_model_from_plugin(self, model: Module) -> LightningModule:
+        """Unwrap ``model`` (a wrapper returned by :meth:`configure_ddp`) down to the LightningModule."""
+        while not isinstance(model, LightningModule) and isinstance(getattr(model, "module", None), Module):
+            model = model.module
+        if not isinstance(model, LightningModule):
+            raise TypeError(f"{type(model).__name__} does not wrap a LightningModule through `.module`.")
+        return model
+
+    @override
+    def teardown(self) -> None:
+        if self.model is not None and self.lightning_module is not None and not isinstance(
+            self.model, DistributedDataParallel
+        ):
+            self.model = self.lightning_module  # unwrap custom wrappers too, not only torch's DDP
+        super().teardown()
+
+    # ------------------------------------------------------------------ data
+    @property
+    def sampler_options(self) -> Dict[str, Any]:
+        """Keyword options this strategy gives the sampler wrappers of training loaders."""
+        return {
+            "shuffle": self.shuffle_batches_between_ranks,
+            "shuffle_window": self.shuffle_window,
+            "seed": self.seed,
+            "pad": self.pad_to_world_size,
+        }
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give each rank its share of ``dataloader``.
+
+        Why here: ``process_dataloader`` is the one strategy hook Lightning calls for every train, val and test
+        loader, after its own sampler replacement (turned off by :meth:`setup`) and before the loader is
+        iterated or its length is read; the loop's ``set_epoch`` calls reach our wrapper through
+        ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not isinstance(dataloader, DataLoader) or trainer is None or not self._replace_samplers:
+            return dataloader
+        stage = trainer.state.stage
+        if stage == RunningStage.PREDICTING:
+            return dataloader  # Lightning already tracks and shards predict loaders itself
+        options = self.sampler_options
+        if stage != RunningStage.TRAINING:
+            options.update(shuffle=False)
+        patched = patch_dataloader_to_ddp(dataloader, **self.distributed_sampler_kwargs, **options)
+        wrapper = _wrapper_of(patched)
+        if wrapper is not None and self.check_sampler_consistency:
+            length = len(wrapper.source)  # type: ignore[arg-type]
+            verify_same_sequence(SequenceDigest(type(wrapper.source).__name__, -1, length, 0, 0))
+            self._watch("train" if stage == RunningStage.TRAINING else "eval", wrapper)
+        return patched
+
+    def _watch(self, key: str, wrapper: _Wrapper) -> None:
+        watched = self._watched.setdefault(key, [])
+        for position, known in enumerate(watched):
+            if known.source is wrapper.source:  # the same user sampler, re-processed: keep the new wrapper
+                watched[position] = wrapper
+                return
+        watched.append(wrapper)
+
+    def _verify(self, key: str, include_epoch_digest: bool) -> None:
+        """One collective comparing the digests of every watched wrapper (same list on every rank)."""
+        digests: List[Optional[SequenceDigest]] = []
+        for wrapper in self._watched.get(key, []):
+            digests.append(wrapper.head_digest)
+            if include_epoch_digest:
+                digests.append(wrapper.epoch_digest)
+        if digests:
+            verify_same_sequence(*digests)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Once per epoch, at its first step and so before its first optimizer step: the sequence every rank
+        # read so far (the first window of this epoch, the whole previous epoch) must agree.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.check_sampler_consistency and trainer is not None and trainer.current_epoch != self._verified_train_epoch:
+            self._verified_train_epoch = trainer.current_epoch
+            self._verify("train", include_epoch_digest=True)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.check_sampler_consistency:
+            self._verify("eval", include_epoch_digest=False)
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        if self.check_sampler_consistency:
+            self._verify("eval", include_epoch_digest=False)
+        super().on_test_end()
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :attr:`registry_entries`; names already registered to this class are left alone."""
+        for name, init_params in cls.registry_entries:
+            entry = dict.get(strategy_registry, name)
+            if entry is not None and entry["strategy"] is cls and entry["init_params"] == init_params:
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"{cls.__name__} ({cls.__module__}) with {init_params}",
+                override=entry is not None,
+                **init_params,
+            )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        message = str(exception)
+        if "Expected to have finished reduction in the prior iteration" in message:
+            exception.args = (
+                message + "\nYour LightningModule has parameters that did not contribute to the loss. If that is"
+                " intended, use strategy='ddp_custom_sampler_find_unused_parameters_true' or"
+                f" {type(self).__name__}(find_unused_parameters=True).",
+            ) + exception.args[1:]

@@ -1,0 +1,399 @@
+"""Merge per-rank results across a ``torch.distributed`` process group, without any training framework.
+
+Under DDP every rank ends an evaluation or prediction loop holding only its share of the outputs. The helpers
+here give every rank the whole result. Tensors travel as tensors: every tensor of a call is viewed as raw bytes,
+packed into one buffer per rank and exchanged with a single padded ``all_gather``. That is several times faster
+than pickling large outputs, works for dtypes gloo cannot reduce (``bool``), and keeps each result on the device
+its input came from (CUDA with NCCL). Only non-tensor values go through ``all_gather_object``.
+
+Every decision that could raise (mismatched keys, shapes, dtypes) is taken from data that all ranks have
+gathered, so all ranks raise the same error together instead of leaving some of them waiting in a collective.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["sync_dicts", "gather_in_order"]
+
+_ALIGN = 16  # bytes; the largest element size (complex128), so every packed tensor can be viewed in place
+_MAX_NAMED = 10  # how many offending keys/indices an error message names
+
+_Path = Tuple[Any, ...]  # the keys leading from the top-level dict to a value
+_Meta = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Stands in for the ``index``-th tensor taken out of a value before it is pickled."""
+
+    index: int
+
+
+def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optional[Any] = None) -> Dict[Any, Any]:
+    """Give every rank the merge of all ranks' dicts.
+
+    Values under the same key are merged in rank order: tensors are concatenated along dim 0 (0-dim tensors
+    count as shape ``(1,)``) and returned on the device the local tensor was on; lists and tuples are
+    concatenated (tensors inside them travel as tensors too); nested dicts are merged key by key with the same
+    rules; any other value becomes the list of every rank's value. Results carry no autograd history.
+
+    Args:
+        d: This rank's values. Every rank must pass the same keys, at every nesting level.
+        world_size: The expected number of ranks; ``1`` skips communication. Checked against ``group``.
+        group: The process group to gather over; the default group if ``None``.
+
+    Returns:
+        The merged dict, the same on every rank. ``d`` itself when there is no initialised process group or a
+        world size of 1.
+
+    Raises:
+        ValueError: If ranks disagree on keys, on the kind of value under a key, or on the trailing shape or
+            dtype of a tensor that is to be concatenated; raised on every rank.
+    """
+    ranks = _world_size(world_size, group)
+    if ranks == 1:
+        return d
+    if not isinstance(d, dict):
+        raise TypeError(f"sync_dicts expects a dict, got {type(d).__name__}")
+
+    leaves = _flatten(d)
+    # Tensor leaves first, in an order every rank agrees on, so the k-th of them is tensor k on every rank;
+    # tensors inside other values follow and are found again through the gathered skeletons.
+    tensor_paths = sorted((p for p, v in leaves.items() if isinstance(v, torch.Tensor)), key=repr)
+    object_paths = sorted((p for p, v in leaves.items() if not isinstance(v, torch.Tensor)), key=repr)
+    tensors: List[torch.Tensor] = [leaves[p] for p in tensor_paths]
+    skeletons = {p: _extract(leaves[p], tensors) for p in object_paths}
+
+    # One cheap metadata exchange; everything after it is decided identically on every rank.
+    kinds = sorted(((p, _kind(v)) for p, v in leaves.items()), key=repr)
+    metas: List[_Meta] = [(tuple(t.shape), t.dtype) for t in tensors]
+    schemas = _all_gather_object((kinds, metas), ranks, group)
+    _check_schemas([dict(k) for k, _ in schemas], [m for _, m in schemas], tensor_paths)
+
+    comm_device = _comm_device(group)
+    per_rank_skeletons = _all_gather_object(skeletons, ranks, group) if object_paths else [{}] * ranks
+    per_rank_tensors = _all_gather_tensors(tensors, [m for _, m in schemas], comm_device, group)
+
+    slot_of = {path: k for k, path in enumerate(tensor_paths)}
+    merged: Dict[Any, Any] = {}
+    for path, local in leaves.items():  # local order, so the result reads like the input
+        if isinstance(local, torch.Tensor):
+            k = slot_of[path]
+            value = torch.cat([_at_least_1d(ts[k]) for ts in per_rank_tensors]).to(local.device)
+        else:
+            device = next((t.device for t in _tensors_in(local)), comm_device)
+            parts = [_restore(s[path], ts, device) for s, ts in zip(per_rank_skeletons, per_rank_tensors)]
+            value = _merge_values(_kind(local), parts)
+        _set_path(merged, path, value)
+    return merged
+
+
+def gather_in_order(
+    values: Union[torch.Tensor, Sequence[Any]],
+    indices: Union[torch.Tensor, Sequence[int]],
+    dataset_size: Optional[int] = None,
+    group: Optional[Any] = None,
+) -> Union[torch.Tensor, List[Any]]:
+    """Gather every rank's per-sample values and return them ordered by dataset index.
+
+    Distributed samplers pad the dataset so every rank gets the same number of samples, which makes some
+    samples appear twice; this puts the outputs back in dataset order and drops those repeats, checking that a
+    repeated sample produced the same value both times.
+
+    Args:
+        values: This rank's outputs: a tensor whose first dim runs over samples, or a sequence of per-sample
+            objects.
+        indices: The dataset index of each of those samples (1-D integer tensor or sequence of ints).
+        dataset_size: If given, every index in ``range(dataset_size)`` must be present and no other.
+        group: The process group to gather over; the default group if ``None``.
+
+    Returns:
+        A tensor (on the device of ``values``) or a list, one entry per distinct index, in index order. Without a
+        process group only the local values are ordered and checked.
+
+    Raises:
+        ValueError: If ``values`` and ``indices`` differ in length, one index carries two different values (exact
+            equality, as ``torch.equal`` / ``==``), or, with ``dataset_size``, an index is missing or out of range.
+    """
+    index = _as_index_tensor(indices)
+    is_tensor = isinstance(values, torch.Tensor)
+    if is_tensor and values.dim() == 0:
+        raise ValueError("gather_in_order needs values with a sample dimension, got a 0-dim tensor")
+    count = values.shape[0] if is_tensor else len(values)
+    if count != index.numel():
+        raise ValueError(f"gather_in_order got {count} values but {index.numel()} indices")
+    local = {"values": values if is_tensor else list(values), "indices": index}
+    gathered = sync_dicts(local, group=group)
+    return _dedupe_in_order(gathered["values"], gathered["indices"].cpu(), dataset_size)
+
+
+# --- process group ---------------------------------------------------------------------------------------------
+
+
+def _world_size(world_size: Optional[int], group: Optional[Any]) -> int:
+    """The number of ranks to gather over; 1 when there is nothing to gather from."""
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    actual = dist.get_world_size(group)
+    if world_size is not None and world_size != actual:
+        raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+    return actual
+
+
+def _comm_device(group: Optional[Any]) -> torch.device:
+    """Where tensors must be to be exchanged: the current CUDA device for NCCL, the CPU otherwise."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_object(obj: Any, ranks: int, group: Optional[Any]) -> List[Any]:
+    out: List[Any] = [None] * ranks
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _all_gather_tensors(
+    tensors: List[torch.Tensor], metas_per_rank: List[List[_Meta]], device: torch.device, group: Optional[Any]
+) -> List[List[torch.Tensor]]:
+    """Exchange every rank's tensors as one byte buffer each, padded to the longest, in one ``all_gather``.
+
+    Each rank's shapes and dtypes are already known to all ranks, so every rank can size the buffers and cut
+    them back into tensors (views into the received buffers, on ``device``).
+    """
+    width = max(sum(_padded_nbytes(m) for m in metas) for metas in metas_per_rank)
+    if width == 0:
+        received = [torch.empty(0, dtype=torch.uint8, device=device) for _ in metas_per_rank]
+    else:
+        received = [torch.empty(width, dtype=torch.uint8, device=device) for _ in metas_per_rank]
+        dist.all_gather(received, _pack(tensors, width, device), group=group)
+    return [_unpack(buffer, metas) for buffer, metas in zip(received, metas_per_rank)]
+
+
+def _pack(tensors: List[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """This rank's tensors as one ``width``-byte buffer on ``device``, each starting at an aligned offset."""
+    if len(tensors) == 1 and _as_bytes(tensors[0]).numel() == width and tensors[0].device == device:
+        return _as_bytes(tensors[0])  # already exactly the buffer: send it without a copy
+    buffer = torch.empty(width, dtype=torch.uint8, device=device)  # padding bytes are sent but never read
+    offset = 0
+    for tensor in tensors:
+        raw = _as_bytes(tensor)
+        buffer[offset : offset + raw.numel()].copy_(raw)
+        offset += _aligned(raw.numel())
+    return buffer
+
+
+def _unpack(buffer: torch.Tensor, metas: List[_Meta]) -> List[torch.Tensor]:
+    tensors = []
+    offset = 0
+    for shape, dtype in metas:
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    return tensors
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.layout != torch.strided:
+        raise TypeError(f"sync_dicts can only send dense tensors, got layout {tensor.layout}")
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _padded_nbytes(meta: _Meta) -> int:
+    shape, dtype = meta
+    return _aligned(math.prod(shape) * dtype.itemsize)
+
+
+# --- structure -------------------------------------------------------------------------------------------------
+
+
+def _flatten(d: Dict[Any, Any], prefix: _Path = ()) -> Dict[_Path, Any]:
+    """Map the key path of every non-dict value (and of every empty dict) to that value."""
+    leaves: Dict[_Path, Any] = {}
+    for key, value in d.items():
+        path = prefix + (key,)
+        if isinstance(value, dict) and value:
+            leaves.update(_flatten(value, path))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def _set_path(d: Dict[Any, Any], path: _Path, value: Any) -> None:
+    for key in path[:-1]:
+        d = d.setdefault(key, {})
+    d[path[-1]] = value
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, dict):
+        return "dict"  # only empty dicts reach here; non-empty ones are flattened
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):  # a namedtuple is one object, not a sequence
+        return "tuple"
+    return "object"
+
+
+def _extract(value: Any, tensors: List[torch.Tensor]) -> Any:
+    """``value`` with every tensor inside plain lists/tuples/dicts moved to ``tensors`` and left as a slot."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if type(value) in (list, tuple):
+        return type(value)(_extract(v, tensors) for v in value)
+    if type(value) is dict:
+        return {k: _extract(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _restore(skeleton: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
+    """Undo :func:`_extract` with one rank's received tensors, copied to ``device``."""
+    if isinstance(skeleton, _Slot):
+        return tensors[skeleton.index].to(device, copy=True)  # a copy, so the received buffer can be freed
+    if type(skeleton) in (list, tuple):
+        return type(skeleton)(_restore(v, tensors, device) for v in skeleton)
+    if type(skeleton) is dict:
+        return {k: _restore(v, tensors, device) for k, v in skeleton.items()}
+    return skeleton
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    found: List[torch.Tensor] = []
+    _extract(value, found)
+    return found
+
+
+def _merge_values(kind: str, parts: List[Any]) -> Any:
+    """Merge one key's non-tensor values, given in rank order."""
+    if kind == "list":
+        return [item for part in parts for item in part]
+    if kind == "tuple":
+        return tuple(item for part in parts for item in part)
+    if kind == "dict":
+        return {}
+    return list(parts)
+
+
+def _at_least_1d(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+
+def _check_schemas(kinds: List[Dict[_Path, str]], metas: List[List[_Meta]], tensor_paths: List[_Path]) -> None:
+    """Raise if the ranks' dicts cannot be merged; identical on every rank, since the input is gathered."""
+    all_paths = set().union(*kinds)
+    differing = sorted((p for p in all_paths if any(p not in k for k in kinds)), key=repr)
+    if differing:
+        described = [f"{_name(p)} (only on ranks {[r for r, k in enumerate(kinds) if p in k]})" for p in differing]
+        raise ValueError("sync_dicts: ranks hold different keys: " + _listing(described))
+    for path in sorted(all_paths, key=repr):
+        found = [k[path] for k in kinds]
+        if len(set(found)) > 1:
+            raise ValueError(f"sync_dicts: {_name(path)} holds {_by_rank(found)}; every rank needs the same kind")
+    for k, path in enumerate(tensor_paths):
+        trailing = [m[k][0][1:] for m in metas]
+        if len(set(trailing)) > 1:
+            raise ValueError(
+                f"sync_dicts: tensors under {_name(path)} have trailing shapes {_by_rank(trailing)}; "
+                "only the first dim may differ between ranks"
+            )
+        dtypes = [m[k][1] for m in metas]
+        if len(set(dtypes)) > 1:
+            raise ValueError(f"sync_dicts: tensors under {_name(path)} have dtypes {_by_rank(dtypes)}")
+
+
+def _name(path: _Path) -> str:
+    return repr(".".join(str(key) for key in path))
+
+
+def _by_rank(values: List[Any]) -> str:
+    return ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+
+
+def _listing(items: List[str]) -> str:
+    more = f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else ""
+    return ", ".join(items[:_MAX_NAMED]) + more
+
+
+# --- ordering by dataset index ---------------------------------------------------------------------------------
+
+
+def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+    index = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices))
+    if index.numel() == 0:
+        index = index.to(torch.int64)  # an empty list has no integer dtype to infer
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise ValueError(f"indices must be integers, got dtype {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(index.shape)}")
+    return index.to("cpu", torch.int64)
+
+
+def _dedupe_in_order(
+    values: Union[torch.Tensor, List[Any]], index: torch.Tensor, dataset_size: Optional[int]
+) -> Union[torch.Tensor, List[Any]]:
+    """``values`` sorted by ``index`` with repeated indices dropped, after checking the repeats agree."""
+    order = torch.argsort(index, stable=True)
+    sorted_index = index[order]
+    first = torch.ones_like(sorted_index, dtype=torch.bool)
+    first[1:] = sorted_index[1:] != sorted_index[:-1]
+    repeats = (~first).nonzero().flatten()  # each repeat is compared with the entry just before it
+    if isinstance(values, torch.Tensor):
+        later = values.index_select(0, order[repeats].to(values.device))
+        earlier = values.index_select(0, order[repeats - 1].to(values.device))
+        equal = later == earlier
+        differs = ~(equal.flatten(1).all(dim=1) if equal.dim() > 1 else equal).cpu()
+    else:
+        differs = torch.tensor(
+            [not _same(values[i], values[j]) for i, j in zip(order[repeats].tolist(), order[repeats - 1].tolist())],
+            dtype=torch.bool,
+        )
+    conflicts = sorted_index[repeats[differs]].unique().tolist()
+    if conflicts:
+        raise ValueError(f"gather_in_order: different values for the same index: {_listing([str(i) for i in conflicts])}")
+
+    unique = sorted_index[first]
+    if dataset_size is not None:
+        outside = unique[(unique < 0) | (unique >= dataset_size)].tolist()
+        if outside:
+            raise ValueError(
+                f"gather_in_order: indices outside range({dataset_size}): {_listing([str(i) for i in outside])}"
+            )
+        present = torch.zeros(dataset_size, dtype=torch.bool)
+        present[unique] = True
+        missing = (~present).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(
+                f"gather_in_order: {len(missing)} of {dataset_size} indices missing: "
+                + _listing([str(i) for i in missing])
+            )
+
+    keep = order[first]
+    if isinstance(values, torch.Tensor):
+        return values.index_select(0, keep.to(values.device))
+    return [values[i] for i in keep.tolist()]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exact equality for per-sample objects, including tensors and arrays, whose ``==`` is elementwise."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(
+            a, b.to(a.device)
+        )
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)

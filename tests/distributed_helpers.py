@@ -1,0 +1,94 @@
+"""Run a function on N real gloo processes and collect each rank's return value.
+
+Every test that needs real collectives goes through :func:`run_distributed`: it uses a ``file://``
+rendezvous in a temporary directory (no ports to collide), a hard deadline, and kills every child that
+is still alive when it returns or fails, so a hanging collective fails the test instead of the suite.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 90.0
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    result_path = Path(workdir) / f"result_{rank}.pkl"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/rendezvous",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        value = fn(rank, world_size, *args)
+        payload: tuple[str, Any] = ("ok", value)
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        payload = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result_path.write_bytes(pickle.dumps(payload))
+    if payload[0] == "error":
+        raise SystemExit(1)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    ``fn`` must be importable (a module-level function). Returns the values in rank order and raises
+    AssertionError with each failing rank's traceback, or after ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory() as workdir:
+        context = mp.start_processes(
+            _entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        try:
+            finished = False
+            deadline = timeout
+            step = 0.5
+            waited = 0.0
+            while not finished and waited < deadline:
+                try:
+                    finished = context.join(timeout=step)
+                except mp.ProcessExitedException:
+                    break
+                waited += step
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(5)
+        results: list[Any] = []
+        errors: list[str] = []
+        for rank in range(world_size):
+            path = Path(workdir) / f"result_{rank}.pkl"
+            if not path.exists():
+                errors.append(f"rank {rank}: no result (killed, crashed or timed out after {timeout:.0f}s)")
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results.append(value)
+        if errors:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        return results
+
+
+def free_env() -> dict[str, str]:
+    """The environment for a subprocess that must not inherit this process's distributed settings."""
+    env = dict(os.environ)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    return env

@@ -1,0 +1,276 @@
+"""Sharding math of the sampler wrappers: every rank's share computed in one process."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections import Counter
+from typing import Any, Iterator, List, Optional
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, SequentialSampler
+
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, LengthMismatchError
+
+
+class VariableBatches:
+    """A token-budget-like batch sampler: batches of varying sizes, subclassing nothing, with set_epoch."""
+
+    def __init__(self, num_batches: int) -> None:
+        self.num_batches = num_batches
+        self.epochs_seen: List[int] = []
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs_seen.append(epoch)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        start = 0
+        for b in range(self.num_batches):
+            size = 1 + (b * 7) % 5
+            yield list(range(start, start + size))
+            start += size
+
+
+def shares(source: Any, world: int, cls: type = DistributedBatchSamplerWrapper, epoch: int = 0, **options: Any) -> List[List[Any]]:
+    result = []
+    for rank in range(world):
+        wrapper = cls(source, num_replicas=world, rank=rank, **options)
+        wrapper.set_epoch(epoch)
+        result.append(list(wrapper))
+    return result
+
+
+def as_key(batch: Any) -> Any:
+    return tuple(batch) if isinstance(batch, list) else batch
+
+
+modes = st.sampled_from([(False, None), (True, None), (True, 1), (True, 3)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_batches=st.integers(1, 60),
+    world=st.integers(1, 8),
+    pad=st.booleans(),
+    mode=modes,
+    epoch=st.integers(0, 5),
+    seed=st.integers(0, 2**31),
+)
+def test_shares_partition_the_sequence(
+    num_batches: int, world: int, pad: bool, mode: tuple[bool, Optional[int]], epoch: int, seed: int
+) -> None:
+    shuffle, window = mode
+    source = VariableBatches(num_batches)
+    sequence = [tuple(b) for b in source]
+    if not pad and num_batches < world:
+        with pytest.raises(ValueError, match="pad=False"):
+            DistributedBatchSamplerWrapper(source, world, 0, pad=False)
+        return
+    per_rank = math.ceil(num_batches / world) if pad else num_batches // world
+    result = shares(source, world, epoch=epoch, shuffle=shuffle, shuffle_window=window, seed=seed, pad=pad)
+
+    # equal counts, and len() says so
+    assert [len(share) for share in result] == [per_rank] * world
+    assert len(DistributedBatchSamplerWrapper(source, world, 0, pad=pad)) == per_rank
+    dealt = Counter(as_key(batch) for share in result for batch in share)
+    # batch contents unchanged: every dealt batch is one of the user's batches
+    assert set(dealt) <= set(sequence)
+    if pad:
+        # every batch at least once; extra copies are only padding, repeated from the start of the sequence
+        assert set(dealt) == set(sequence)
+        extra = sum(dealt.values()) - num_batches
+        assert extra == per_rank * world - num_batches
+        expected_repeats = Counter(sequence[i % num_batches] for i in range(extra))
+        assert dealt - Counter(sequence) == expected_repeats
+    else:
+        assert all(count == 1 for count in dealt.values())
+        if not shuffle:
+            assert set(dealt) == set(sequence[: per_rank * world])
+    if not shuffle:
+        for rank, share in enumerate(result):
+            padded = sequence + [sequence[i % num_batches] for i in range(per_rank * world - num_batches)]
+            assert [tuple(b) for b in share] == padded[: per_rank * world][rank::world]
+    # determinism: the same arguments give the same shares
+    assert result == shares(source, world, epoch=epoch, shuffle=shuffle, shuffle_window=window, seed=seed, pad=pad)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_shuffle_depends_on_epoch_and_seed(window: Optional[int]) -> None:
+    source = VariableBatches(200)
+    base = shares(source, 2, epoch=0, shuffle=True, shuffle_window=window, seed=3)
+    assert shares(source, 2, epoch=1, shuffle=True, shuffle_window=window, seed=3) != base
+    assert shares(source, 2, epoch=0, shuffle=True, shuffle_window=window, seed=4) != base
+    # seed + epoch is what matters, as with DistributedSampler
+    assert shares(source, 2, epoch=1, shuffle=True, shuffle_window=window, seed=2) == base
+
+
+def test_windowed_shuffle_permutes_within_windows_only() -> None:
+    world, window = 2, 3
+    result = shares(VariableBatches(60), world, shuffle=True, shuffle_window=window, seed=0)
+    sequence = [tuple(b) for b in VariableBatches(60)]
+    span = world * window
+    for rank, share in enumerate(result):
+        for k, batch in enumerate(share):
+            position = sequence.index(tuple(batch))
+            assert position // span == k // window  # k-th own batch comes from window k // window
+
+
+@settings(max_examples=60, deadline=None)
+@given(num=st.integers(1, 50), world=st.integers(1, 5), pad=st.booleans(), mode=modes, epoch=st.integers(0, 3))
+def test_index_wrapper_gives_disjoint_shares(num: int, world: int, pad: bool, mode: tuple[bool, Optional[int]], epoch: int) -> None:
+    shuffle, window = mode
+    if not pad and num < world:
+        return
+    result = shares(range(100, 100 + num), world, DistributedSamplerWrapper, epoch, shuffle=shuffle, shuffle_window=window, pad=pad)
+    flat = [i for share in result for i in share]
+    assert all(isinstance(i, int) for i in flat)
+    assert len({len(s) for s in result}) == 1
+    if pad:
+        assert set(flat) == set(range(100, 100 + num))
+        assert len(flat) == math.ceil(num / world) * world
+    else:
+        assert len(flat) == len(set(flat)) == num // world * world
+
+
+def test_set_epoch_is_forwarded_to_sampler_and_its_inner_sampler() -> None:
+    class Inner:
+        def __init__(self) -> None:
+            self.epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(8))
+
+        def __len__(self) -> int:
+            return 8
+
+    source = VariableBatches(4)
+    wrapper = DistributedBatchSamplerWrapper(source, 2, 0)
+    wrapper.sampler.set_epoch(3)  # the path Lightning's loops take: loader.batch_sampler.sampler.set_epoch
+    assert wrapper.epoch == 3 and source.epochs_seen == [3]
+    batch_sampler = BatchSampler(Inner(), 2, False)  # type: ignore[arg-type]
+    DistributedBatchSamplerWrapper(batch_sampler, 2, 1).set_epoch(5)
+    assert batch_sampler.sampler.epoch == 5  # type: ignore[attr-defined]
+
+
+def test_user_object_is_not_mutated_or_rebuilt() -> None:
+    source = BatchSampler(SequentialSampler(range(10)), 3, False)
+    before = dict(vars(source))
+    wrapper = DistributedBatchSamplerWrapper(source, 2, 0, shuffle=True)
+    list(wrapper)
+    assert wrapper.batch_sampler is source and vars(source) == before
+
+
+def test_streaming_reads_only_one_round_before_the_first_batch() -> None:
+    reads: List[int] = []
+
+    class Counting:
+        def __len__(self) -> int:
+            return 10**9
+
+        def __iter__(self) -> Iterator[List[int]]:
+            for i in range(10**9):
+                reads.append(i)
+                yield [i]
+
+    first = next(iter(DistributedBatchSamplerWrapper(Counting(), 4, 2)))
+    assert first == [2] and len(reads) == 4
+    reads.clear()
+    next(iter(DistributedBatchSamplerWrapper(Counting(), 4, 1, shuffle=True, shuffle_window=8)))
+    assert len(reads) == 32
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class Sized:
+    def __init__(self, declared: int, actual: int, make: Any = lambda i: [i]) -> None:
+        self.declared, self.actual, self.make = declared, actual, make
+
+    def __len__(self) -> int:
+        return self.declared
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.make(i) for i in range(self.actual))
+
+
+def test_missing_len_is_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="__len__"):
+        DistributedBatchSamplerWrapper((b for b in [[0]]), 2, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("declared,actual", [(10, 7), (7, 10), (9, 8)])
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 2}, {"pad": False}])
+def test_wrong_len_raises_with_both_numbers_and_equal_counts(declared: int, actual: int, options: dict) -> None:
+    yielded = []
+    for rank in range(3):
+        wrapper = DistributedBatchSamplerWrapper(Sized(declared, actual), 3, rank, **options)
+        got: List[Any] = []
+        with pytest.raises(LengthMismatchError, match=rf"returned {declared} but iterating it produced {actual}"):
+            for batch in wrapper:
+                got.append(batch)
+        yielded.append(len(got))
+    assert len(set(yielded)) == 1, f"ranks yielded different counts before failing: {yielded}"
+
+
+def test_empty_sampler() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        DistributedBatchSamplerWrapper([], 2, 0)
+
+
+@pytest.mark.parametrize("item", [5, "ab", [0.5, 1.0], None])
+def test_items_that_are_not_index_sequences(item: Any) -> None:
+    with pytest.raises(TypeError, match="sequence of integer indices"):
+        list(DistributedBatchSamplerWrapper(Sized(4, 4, lambda i: item), 2, 0))
+
+
+def test_tensor_and_numpy_batches_are_accepted() -> None:
+    batches = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    assert [b.tolist() for b in DistributedBatchSamplerWrapper(batches, 2, 1)] == [[2, 3]]
+
+
+@pytest.mark.parametrize("world,rank", [(2, 2), (2, -1), (0, 0), (2, 0.5)])
+def test_bad_world_or_rank(world: int, rank: Any) -> None:
+    with pytest.raises(ValueError, match="num_replicas|rank"):
+        DistributedBatchSamplerWrapper([[0]], world, rank)
+
+
+def test_pad_false_with_fewer_batches_than_ranks() -> None:
+    with pytest.raises(ValueError, match="fewer than the 3 ranks"):
+        DistributedBatchSamplerWrapper([[0], [1]], 3, 0, pad=False)
+
+
+def test_no_process_group_and_no_world() -> None:
+    with pytest.raises(RuntimeError, match="num_replicas and rank"):
+        DistributedBatchSamplerWrapper([[0]])
+
+
+def test_sampler_modules_import_without_lightning() -> None:
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_utilities'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import lightning_ddp_ext.samplers, lightning_ddp_ext.dataloader, lightning_ddp_ext.consistency\n"
+        "from lightning_ddp_ext import patch_dataloader_to_ddp, DistributedBatchSamplerWrapper\n"
+        "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)\n"
+        "try:\n"
+        "    from lightning_ddp_ext import CustomDDP\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('CustomDDP imported without Lightning')\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
