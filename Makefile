@@ -19,7 +19,8 @@ $(VENV)/.installed: setup.cfg setup.py
 
 $(VENV_LOWEST)/.installed: setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV_LOWEST)
-	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)"
+	# Lightning < 2.3 imports pkg_resources, which setuptools 81 removed.
+	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)" "setuptools>=77,<81"
 	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
 

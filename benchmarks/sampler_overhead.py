@@ -25,13 +25,18 @@ For each it measures:
 * epoch seconds: create the iterator and drain this rank's whole share (``collections.deque(it,
   maxlen=0)``, so the consumer adds next to nothing); the minimum over a few interleaved rounds, a
   fresh wrapper each time (construction is not timed; ``set_epoch`` is called as a training loop would).
+  The clock is this process's CPU time (``time.process_time``): in training each rank has its own core,
+  and CPU time barely moves when other processes compete for the machine, where wall time can double.
+  ``--wall`` times with ``time.perf_counter`` instead.
 * time to first batch: ``iter()`` plus the first ``next()``; the minimum over the timed epochs and
   extra first-batch-only samples while they are cheap.
 * peak extra memory: a separate pass under ``tracemalloc`` (which slows allocation down a lot, so it
   is never mixed with timing): start tracing, build the wrapper, iterate one epoch, read the peak.
-  tracemalloc sees Python objects and numpy buffers but not torch tensor storage. The floor, Lightning's
-  wrapper and the hand-written pattern hold (almost) the same memory whatever W is, so their memory
-  pass runs once per B; Lightning's at B=1e6 alone takes several GB and over a minute.
+  tracemalloc sees Python objects and numpy buffers but not torch tensor storage. Each pass costs a
+  minute or more at B=1e6 (tracemalloc makes every allocation ~30x dearer), so passes are shared where
+  the answer cannot differ: Lightning's wrapper and the hand-written pattern hold all B batches whatever
+  W is (one pass per B; Lightning's takes several GB at B=1e6), and the floor holds one batch whatever
+  B is (one pass, at the smallest B). Our wrapper gets a pass for every (B, W).
 
 It ends with PASS/FAIL lines for the targets set for our wrapper (see ``check_targets``).
 
@@ -41,7 +46,8 @@ Run it (about 10-15 minutes on 2 cores; ``--quick`` runs B=1e4 and 1e5 only, in 
     python benchmarks/sampler_overhead.py --quick
     python benchmarks/sampler_overhead.py --sizes 1e4,1e6 --worlds 8 --plot ratios.png
 
-Timings are only meaningful on an otherwise idle machine; the load average is printed at start and end.
+Wall-clock timings (``--wall``) are only meaningful on an otherwise idle machine; the load average is
+printed at start and end either way.
 """
 from __future__ import annotations
 
@@ -128,11 +134,17 @@ class Contender:
     label: str
     make: Factory  # (user sampler, num_replicas, rank) -> what a rank iterates
     ordered: bool  # yields batches rank, rank+W, ... in the sampler's order (checked by the sanity pass)
-    memory_once_per_size: bool = False  # its memory does not depend on W: one tracemalloc pass per B
+    memory_pass: str = "each"  # "each" (B, W); "per_size": once per B (W-independent); "once": O(1) by design
+
+    def memory_key(self, num_batches: int, world: int) -> Tuple[Any, ...]:
+        """Cells sharing this key share one tracemalloc pass."""
+        return {"each": (self.key, num_batches, world), "per_size": (self.key, num_batches), "once": (self.key,)}[
+            self.memory_pass
+        ]
 
 
 CONTENDERS: Tuple[Contender, ...] = (
-    Contender("floor", "floor: user sampler alone", lambda s, w, r: s, ordered=False, memory_once_per_size=True),
+    Contender("floor", "floor: user sampler alone", lambda s, w, r: s, ordered=False, memory_pass="once"),
     Contender("off", "ours, shuffle off", lambda s, w, r: DistributedBatchSamplerWrapper(s, w, r), ordered=True),
     Contender(
         "window",
@@ -151,14 +163,14 @@ CONTENDERS: Tuple[Contender, ...] = (
         "Lightning DistributedSamplerWrapper",
         lambda s, w, r: LightningSamplerWrapper(s, num_replicas=w, rank=r, shuffle=False),
         ordered=True,
-        memory_once_per_size=True,
+        memory_pass="per_size",
     ),
     Contender(
         "handwritten",
         "list() + DistributedSampler",
         lambda s, w, r: ListThenDistributedSampler(s, w, r),
         ordered=True,
-        memory_once_per_size=True,
+        memory_pass="per_size",
     ),
 )
 BY_KEY = {contender.key: contender for contender in CONTENDERS}
@@ -169,15 +181,18 @@ class Result:
     epoch_s: float
     first_batch_s: float
     peak_bytes: int
-    memory_reused: bool  # memory figure comes from the pass at another W (see memory_once_per_size)
+    memory_cell: Tuple[int, int]  # the (B, W) whose tracemalloc pass gave peak_bytes (see Contender.memory_pass)
 
 
 Results = Dict[Tuple[int, int, str], Result]  # (B, W, contender key) -> Result
 
 
 # --------------------------------------------------------------------------------------------- measuring
+_STARTED = time.perf_counter()
+
+
 def progress(message: str) -> None:
-    print(f"  .. {message}", file=sys.stderr, flush=True)
+    print(f"  [{time.perf_counter() - _STARTED:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def start_epoch(sampler: Iterable[Any], epoch: int) -> None:
@@ -186,30 +201,33 @@ def start_epoch(sampler: Iterable[Any], epoch: int) -> None:
         set_epoch(epoch)
 
 
-def time_epoch(sampler: Iterable[Any], epoch: int) -> Tuple[float, float]:
+Clock = Callable[[], float]
+
+
+def time_epoch(sampler: Iterable[Any], epoch: int, clock: Clock) -> Tuple[float, float]:
     """Seconds to drain one epoch of ``sampler``, and seconds to its first batch."""
     start_epoch(sampler, epoch)
     gc.collect()
-    start = time.perf_counter()
+    start = clock()
     iterator = iter(sampler)
     next(iterator)
-    first = time.perf_counter()
+    first = clock()
     deque(iterator, maxlen=0)
-    end = time.perf_counter()
+    end = clock()
     return end - start, first - start
 
 
-def time_first_batch(sampler: Iterable[Any], epoch: int) -> float:
+def time_first_batch(sampler: Iterable[Any], epoch: int, clock: Clock) -> float:
     """Fastest ``iter()`` + first ``next()`` over as many samples as fit in FIRST_BATCH_BUDGET_S."""
     start_epoch(sampler, epoch)
     gc.collect()
     best = float("inf")
     deadline = time.perf_counter() + FIRST_BATCH_BUDGET_S
     for _ in range(FIRST_BATCH_MAX_SAMPLES):
-        start = time.perf_counter()
+        start = clock()
         iterator = iter(sampler)
         next(iterator)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
         del iterator
         if time.perf_counter() > deadline:
             break
@@ -235,7 +253,11 @@ def peak_memory(contender: Contender, user: UserBatchSampler, world: int) -> int
 
 
 def measure_cell(
-    user: UserBatchSampler, world: int, rounds: int, memory_cache: Dict[str, int]
+    user: UserBatchSampler,
+    world: int,
+    rounds: int,
+    clock: Clock,
+    memory_cache: Dict[Tuple[Any, ...], Tuple[int, Tuple[int, int]]],
 ) -> Dict[str, Result]:
     """All measurements for one (B, W): interleaved timing rounds, first-batch samples, memory passes."""
     epoch_times: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
@@ -246,7 +268,7 @@ def measure_cell(
             if times and min(times) > EXPENSIVE_EPOCH_S:
                 continue
             sampler = contender.make(user, world, 0)
-            epoch_s, first_s = time_epoch(sampler, epoch=round_index)
+            epoch_s, first_s = time_epoch(sampler, round_index, clock)
             del sampler
             gc.collect()
             times.append(epoch_s)
@@ -256,26 +278,27 @@ def measure_cell(
     for contender in CONTENDERS:
         if min(first_times[contender.key]) < FIRST_BATCH_BUDGET_S:
             sampler = contender.make(user, world, 0)
-            first_times[contender.key].append(time_first_batch(sampler, epoch=0))
+            first_times[contender.key].append(time_first_batch(sampler, 0, clock))
             del sampler
             gc.collect()
 
     results: Dict[str, Result] = {}
     for contender in CONTENDERS:
-        reused = contender.memory_once_per_size and contender.key in memory_cache
-        if not reused:
+        memory_key = contender.memory_key(len(user), world)
+        if memory_key not in memory_cache:
             progress(f"memory pass  {contender.label} (tracemalloc, slow)")
             started = time.perf_counter()
-            memory_cache[contender.key] = peak_memory(contender, user, world)
+            memory_cache[memory_key] = (peak_memory(contender, user, world), (len(user), world))
             progress(
-                f"memory pass  {contender.label}: {memory_cache[contender.key] / MB:.2f} MB"
+                f"memory pass  {contender.label}: {memory_cache[memory_key][0] / MB:.2f} MB"
                 f" in {time.perf_counter() - started:.1f} s"
             )
+        peak_bytes, memory_cell = memory_cache[memory_key]
         results[contender.key] = Result(
             epoch_s=min(epoch_times[contender.key]),
             first_batch_s=min(first_times[contender.key]),
-            peak_bytes=memory_cache[contender.key],
-            memory_reused=reused,
+            peak_bytes=peak_bytes,
+            memory_cell=memory_cell,
         )
     return results
 
@@ -311,15 +334,22 @@ def format_table(results: Results, num_batches: int, world: int) -> str:
     floor = results[(num_batches, world, "floor")].epoch_s
     header = f"{'contender':<38} {'epoch s':>9} {'x floor':>8} {'1st batch ms':>13} {'peak extra MB':>14}"
     lines = [f"B={size_label(num_batches)} batches of {BATCH_SIZE}, W={world} (rank 0)", header, "-" * len(header)]
+    borrowed = []
     for contender in CONTENDERS:
         result = results[(num_batches, world, contender.key)]
-        note = "*" if result.memory_reused else " "
+        note = " "
+        if result.memory_cell != (num_batches, world):
+            borrowed.append(f"B={size_label(result.memory_cell[0])} W={result.memory_cell[1]}")
+            note = "*"
         lines.append(
             f"{contender.label:<38} {result.epoch_s:9.3f} {result.epoch_s / floor:7.2f}x"
             f" {result.first_batch_s * 1e3:13.3f} {result.peak_bytes / MB:13.2f}{note}"
         )
-    if any(results[(num_batches, world, c.key)].memory_reused for c in CONTENDERS):
-        lines.append("* memory measured once per B (at the first W); it does not depend on W")
+    if borrowed:
+        lines.append(
+            f"* memory from the pass at {', '.join(sorted(set(borrowed)))}: the floor holds one batch at any B,"
+            " Lightning's wrapper and list() hold all B batches at any W"
+        )
     return "\n".join(lines)
 
 
@@ -424,6 +454,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--worlds", type=parse_counts, help="world sizes, e.g. 2,8 (default)")
     parser.add_argument("--quick", action="store_true", help="B=1e4,1e5 only (unless --sizes is given)")
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="timed epochs per contender (min is kept)")
+    parser.add_argument("--wall", action="store_true", help="time with wall clock instead of process CPU time")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of the ratio table (needs matplotlib)")
     return parser.parse_args(argv)
 
@@ -433,24 +464,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sizes = sorted(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     worlds = sorted(args.worlds or DEFAULT_WORLDS)
     started = time.perf_counter()
+    # Move the ~350k objects of the torch/Lightning imports out of the collector's reach: gc.collect() between
+    # measurements then takes microseconds instead of ~0.3 s, and full collections triggered while a
+    # contender builds lists do not rescan them (which only flatters the list-building contenders).
+    gc.collect()
+    gc.freeze()
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" numpy {np.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
     )
-    print(f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds}\n", flush=True)
+    clock = time.perf_counter if args.wall else time.process_time
+    print(
+        f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds};"
+        f" clock: {'wall (perf_counter)' if args.wall else 'process CPU time (process_time)'}\n",
+        flush=True,
+    )
 
     problems = sanity_check(worlds)
     for problem in problems:
         print(f"SANITY FAIL: {problem}", flush=True)
 
     results: Results = {}
+    memory_cache: Dict[Tuple[Any, ...], Tuple[int, Tuple[int, int]]] = {}
     for num_batches in sizes:
         progress(f"building the user sampler, B={size_label(num_batches)}")
         user = UserBatchSampler(num_batches)
-        memory_cache: Dict[str, int] = {}
         for world in worlds:
             progress(f"B={size_label(num_batches)} W={world}")
-            for key, result in measure_cell(user, world, args.rounds, memory_cache).items():
+            for key, result in measure_cell(user, world, args.rounds, clock, memory_cache).items():
                 results[(num_batches, world, key)] = result
             print(format_table(results, num_batches, world) + "\n", flush=True)
         del user

@@ -119,7 +119,7 @@ class CustomDDP(DDPStrategy):
         The backend is ``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo
         otherwise; ``timeout=`` bounds every collective, so a dead rank fails the others instead of hanging.
         """
-        backend = process_group_backend_for(self.root_device, _compat.requested_process_group_backend(self))
+        backend = self.select_process_group_backend()
         _compat.set_process_group_backend(self, backend)
         if dist.is_initialized():
             return
@@ -132,6 +132,10 @@ class CustomDDP(DDPStrategy):
         log.info(f"Initializing distributed: GLOBAL_RANK: {global_rank}, MEMBER: {global_rank + 1}/{world_size}")
         dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)
         rank_zero_info(f"{type(self).__name__}: {world_size} processes joined over {backend}.")
+
+    def select_process_group_backend(self) -> str:
+        """``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo otherwise."""
+        return process_group_backend_for(self.root_device, _compat.requested_process_group_backend(self))
 
     @property
     def data_parallel_group(self) -> Any:

@@ -85,7 +85,7 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
     for path, local in leaves.items():  # local order, so the result reads like the input
         if isinstance(local, torch.Tensor):
             k = slot_of[path]
-            value = torch.cat([_at_least_1d(ts[k]) for ts in per_rank_tensors]).to(local.device)
+            value = _cat_rows([ts[k] for ts in per_rank_tensors]).to(local.device)
         else:
             device = next((t.device for t in _tensors_in(local)), comm_device)
             parts = [_restore(s[path], ts, device) for s, ts in zip(per_rank_skeletons, per_rank_tensors)]
@@ -167,25 +167,24 @@ def _all_gather_tensors(
     """Exchange every rank's tensors as one byte buffer each, padded to the longest, in one ``all_gather``.
 
     Each rank's shapes and dtypes are already known to all ranks, so every rank can size the buffers and cut
-    them back into tensors (views into the received buffers, on ``device``).
+    them back into tensors: views, on ``device``, into one buffer that holds the ranks' buffers back to back.
     """
     width = max(sum(_padded_nbytes(m) for m in metas) for metas in metas_per_rank)
-    if width == 0:
-        received = [torch.empty(0, dtype=torch.uint8, device=device) for _ in metas_per_rank]
-    else:
-        received = [torch.empty(width, dtype=torch.uint8, device=device) for _ in metas_per_rank]
+    flat = torch.empty(width * len(metas_per_rank), dtype=torch.uint8, device=device)
+    received = [flat[rank * width : (rank + 1) * width] for rank in range(len(metas_per_rank))]
+    if width > 0:
         dist.all_gather(received, _pack(tensors, width, device), group=group)
     return [_unpack(buffer, metas) for buffer, metas in zip(received, metas_per_rank)]
 
 
 def _pack(tensors: List[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
     """This rank's tensors as one ``width``-byte buffer on ``device``, each starting at an aligned offset."""
-    if len(tensors) == 1 and _as_bytes(tensors[0]).numel() == width and tensors[0].device == device:
-        return _as_bytes(tensors[0])  # already exactly the buffer: send it without a copy
+    raws = [_as_bytes(t) for t in tensors]
+    if len(raws) == 1 and raws[0].numel() == width and raws[0].device == device:
+        return raws[0]  # already exactly the buffer: send it without a copy
     buffer = torch.empty(width, dtype=torch.uint8, device=device)  # padding bytes are sent but never read
     offset = 0
-    for tensor in tensors:
-        raw = _as_bytes(tensor)
+    for raw in raws:
         buffer[offset : offset + raw.numel()].copy_(raw)
         offset += _aligned(raw.numel())
     return buffer
@@ -241,7 +240,7 @@ def _kind(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return "tensor"
     if isinstance(value, dict):
-        return "dict"  # only empty dicts reach here; non-empty ones are flattened
+        return "dict"  # at the top of a value only empty dicts, as _flatten unpacks the others
     if isinstance(value, list):
         return "list"
     if isinstance(value, tuple) and not hasattr(value, "_fields"):  # a namedtuple is one object, not a sequence
@@ -250,13 +249,15 @@ def _kind(value: Any) -> str:
 
 
 def _extract(value: Any, tensors: List[torch.Tensor]) -> Any:
-    """``value`` with every tensor inside plain lists/tuples/dicts moved to ``tensors`` and left as a slot."""
-    if isinstance(value, torch.Tensor):
+    """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot."""
+    kind = _kind(value)
+    if kind == "tensor":
         tensors.append(value)
         return _Slot(len(tensors) - 1)
-    if type(value) in (list, tuple):
-        return type(value)(_extract(v, tensors) for v in value)
-    if type(value) is dict:
+    if kind in ("list", "tuple"):
+        items = [_extract(v, tensors) for v in value]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
         return {k: _extract(v, tensors) for k, v in value.items()}
     return value
 
@@ -265,7 +266,7 @@ def _restore(skeleton: Any, tensors: List[torch.Tensor], device: torch.device) -
     """Undo :func:`_extract` with one rank's received tensors, copied to ``device``."""
     if isinstance(skeleton, _Slot):
         return tensors[skeleton.index].to(device, copy=True)  # a copy, so the received buffer can be freed
-    if type(skeleton) in (list, tuple):
+    if type(skeleton) in (list, tuple):  # the plain containers _extract built
         return type(skeleton)(_restore(v, tensors, device) for v in skeleton)
     if type(skeleton) is dict:
         return {k: _restore(v, tensors, device) for k, v in skeleton.items()}
@@ -289,8 +290,18 @@ def _merge_values(kind: str, parts: List[Any]) -> Any:
     return list(parts)
 
 
-def _at_least_1d(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+def _cat_rows(parts: List[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0, 0-dim tensors counting as one row.
+
+    Parts that already lie back to back in memory (a lone tensor of the same size on every rank, the usual case
+    behind a padding sampler) are returned as one view of that memory instead of being copied.
+    """
+    parts = [p.reshape(1) if p.dim() == 0 else p for p in parts]
+    if all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(parts, parts[1:])):
+        first = parts[0]
+        rows = sum(p.shape[0] for p in parts)
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    return torch.cat(parts)
 
 
 def _check_schemas(kinds: List[Dict[_Path, str]], metas: List[List[_Meta]], tensor_paths: List[_Path]) -> None:

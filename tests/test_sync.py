@@ -73,6 +73,10 @@ def _get(d: Dict[str, Any], keys: Tuple[str, ...]) -> Any:
     return d
 
 
+def _equal_rows(rank: int) -> torch.Tensor:
+    return torch.arange(12.0).reshape(4, 3) + 100 * rank
+
+
 def _bad_inputs(rank: int) -> Dict[str, Dict[str, Any]]:
     """Inputs that cannot be merged; rank 0 differs from the others."""
     first = rank == 0
@@ -136,6 +140,8 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     results["object_payload_has_tensor"] = _contains_tensor(sent_as_objects)
     results["object_payload_bytes"] = len(pickle.dumps(sent_as_objects))
 
+    # Same size on every rank and nothing else to send: the received buffer itself is the result.
+    results["equal_rows"] = sync_dicts({"x": _equal_rows(rank)})["x"]
     results["errors"] = {name: _error_of(lambda d=d: sync_dicts(d)) for name, d in _bad_inputs(rank).items()}
     results["errors"]["world_size"] = _error_of(lambda: sync_dicts({"a": 1}, world_size=world_size + 1))
     results["after_errors"] = sync_dicts({"rank": rank}, world_size=world_size)  # still in step after raising
@@ -214,6 +220,12 @@ def test_every_rank_gets_the_merge_in_rank_order(per_rank: List[Dict[str, Any]])
     expected = _expected_merge(len(per_rank))
     for rank, results in enumerate(per_rank):
         _assert_same(results["merged"], expected, f"rank {rank}")
+
+
+def test_equal_sizes_on_every_rank(per_rank: List[Dict[str, Any]]) -> None:
+    expected = torch.cat([_equal_rows(r) for r in range(len(per_rank))])
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["equal_rows"], expected, f"rank {rank}")
 
 
 def test_tensors_do_not_travel_as_pickles(per_rank: List[Dict[str, Any]]) -> None:

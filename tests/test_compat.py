@@ -1,0 +1,52 @@
+"""Fail loudly when an installed Lightning no longer has the private API `_compat` relies on."""
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import lightning
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+from packaging.version import Version
+
+from lightning_ddp_ext import CustomDDP, _compat
+
+
+def hook(state, bucket):  # type: ignore[no-untyped-def]
+    raise AssertionError("never called")
+
+
+def test_installed_lightning_is_in_the_checked_range() -> None:
+    low, high = (Version(bound.lstrip("<>=")) for bound in _compat.LIGHTNING_CHECKED)
+    assert low <= Version(lightning.__version__) <= high, (
+        f"lightning {lightning.__version__} is outside the range _compat.py was checked on {_compat.LIGHTNING_CHECKED}:"
+        " re-check every function there, then widen LIGHTNING_CHECKED and setup.cfg"
+    )
+
+
+def test_ddp_strategy_attributes() -> None:
+    strategy = DDPStrategy(
+        timeout=timedelta(seconds=12), process_group_backend="gloo", ddp_comm_hook=hook, static_graph=True
+    )
+    assert _compat.ddp_kwargs(strategy) == {"static_graph": True}
+    assert _compat.process_group_timeout(strategy) == timedelta(seconds=12)
+    assert _compat.requested_process_group_backend(strategy) == "gloo"
+    assert _compat.comm_hook_arguments(strategy) == (None, hook, None)
+    _compat.set_process_group_backend(strategy, "nccl")
+    assert strategy.process_group_backend == "nccl"
+
+
+def test_setup_calls_configure_ddp_without_arguments() -> None:
+    assert "self.configure_ddp()" in inspect.getsource(DDPStrategy.setup)
+
+
+def test_sampler_replacement_switch() -> None:
+    assert "use_distributed_sampler" in inspect.getsource(_DataConnector._requires_distributed_sampler)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), logger=False)
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+    assert _compat.take_over_sampler_replacement(trainer) is True
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+    assert _compat.take_over_sampler_replacement(trainer) is True  # the user's value is remembered
+    refused = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False)
+    assert _compat.take_over_sampler_replacement(refused) is False

@@ -1,0 +1,149 @@
+"""patch_dataloader_to_ddp: what gets wrapped, what carries over, and a real 3-process gloo run."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+from distributed_helpers import run_distributed
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+
+
+class Squares(Dataset):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class ClassBalancedBatches:
+    """P x K-like batch sampler that subclasses nothing and takes no `sampler` argument."""
+
+    def __init__(self, size: int, batch_size: int, seed: int = 0) -> None:
+        self.size, self.batch_size, self.seed, self.epoch = size, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size // self.batch_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for b in range(len(self)):
+            yield order[b * self.batch_size : (b + 1) * self.batch_size]
+
+
+def collate_identity(batch: List[int]) -> List[int]:
+    return batch
+
+
+def test_custom_batch_sampler_is_dealt_whole_and_arguments_carry_over() -> None:
+    generator = torch.Generator()
+    loader = DataLoader(Squares(), batch_sampler=ClassBalancedBatches(30, 4), collate_fn=collate_identity, generator=generator)
+    patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)
+    assert isinstance(patched.batch_sampler, DistributedBatchSamplerWrapper)
+    assert patched.batch_sampler.batch_sampler is loader.batch_sampler
+    assert patched.collate_fn is collate_identity and patched.generator is generator and patched.dataset is loader.dataset
+    user = list(loader.batch_sampler)  # type: ignore[arg-type]
+    assert list(patched) == user[1::2] + [user[0]]  # 7 batches: the last round is padded with the first
+
+
+def test_default_samplers_become_distributed_sampler() -> None:
+    shuffled = patch_dataloader_to_ddp(DataLoader(Squares(), batch_size=4, shuffle=True, drop_last=True), 3, 0, seed=5)
+    assert isinstance(shuffled.sampler, DistributedSampler)
+    assert shuffled.sampler.shuffle and shuffled.sampler.seed == 5 and shuffled.batch_size == 4 and shuffled.drop_last
+    sequential = patch_dataloader_to_ddp(DataLoader(Squares(), batch_size=4), 3, 2)
+    assert isinstance(sequential.sampler, DistributedSampler) and not sequential.sampler.shuffle
+    assert [b.tolist() for b in sequential] == [[2, 5, 8, 11], [14, 17, 20, 23], [26, 29]]
+
+
+def test_custom_index_sampler_under_plain_batch_sampler_is_wrapped() -> None:
+    weighted = WeightedRandomSampler([1.0] * 30, 30, generator=torch.Generator().manual_seed(0))
+    patched = patch_dataloader_to_ddp(DataLoader(Squares(), batch_size=5, sampler=weighted), 2, 0)
+    assert isinstance(patched.sampler, DistributedSamplerWrapper) and patched.sampler.sampler is weighted
+    assert patched.batch_size == 5 and len(patched) == 3
+    with_replacement = RandomSampler(Squares(), replacement=True)
+    assert isinstance(patch_dataloader_to_ddp(DataLoader(Squares(), sampler=with_replacement), 2, 0).sampler, DistributedSamplerWrapper)
+
+
+def test_batch_sampler_subclass_with_own_init_is_not_reinstantiated() -> None:
+    class Buckets(BatchSampler):
+        def __init__(self, lengths: List[int]) -> None:  # no `sampler` argument: Lightning cannot rebuild this
+            self.lengths = lengths
+
+        def __iter__(self) -> Iterator[List[int]]:
+            order = sorted(range(len(self.lengths)), key=self.lengths.__getitem__)
+            return (order[i : i + 3] for i in range(0, len(order), 3))
+
+        def __len__(self) -> int:
+            return -(-len(self.lengths) // 3)
+
+    lengths = [(i * 7) % 11 for i in range(30)]
+    loader = DataLoader(Squares(), batch_sampler=Buckets(lengths), collate_fn=collate_identity)
+    shares = [list(patch_dataloader_to_ddp(loader, 2, r)) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(list(Buckets(lengths)))
+
+
+def test_without_automatic_batching_indices_are_dealt() -> None:
+    loader = DataLoader(Squares(), batch_size=None, sampler=list(range(7)))  # type: ignore[arg-type]
+    assert [int(x) for x in patch_dataloader_to_ddp(loader, 2, 1)] == [1, 3, 5, 0]
+
+
+def test_unchanged_with_warning_when_nothing_to_shard() -> None:
+    class Stream(IterableDataset):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    stream = DataLoader(Stream())
+    with pytest.warns(UserWarning, match="IterableDataset"):
+        assert patch_dataloader_to_ddp(stream, 2, 0) is stream
+    plain = DataLoader(Squares())
+    with pytest.warns(UserWarning, match="no process group"):
+        assert patch_dataloader_to_ddp(plain) is plain
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patch_dataloader_to_ddp(plain) is plain  # warned once only
+
+
+def test_unknown_option_is_rejected() -> None:
+    with pytest.raises(TypeError, match="unknown option"):
+        patch_dataloader_to_ddp(DataLoader(Squares()), 2, 0, shufle=True)
+
+
+def _three_rank_epochs(rank: int, world_size: int) -> Any:
+    # Workers forked, not spawned: a spawned rank would otherwise spawn (and re-import torch in) every worker.
+    loader = DataLoader(
+        Squares(), batch_sampler=ClassBalancedBatches(30, 4, seed=11), num_workers=2, multiprocessing_context="fork"
+    )
+    patched = patch_dataloader_to_ddp(loader, shuffle=True, shuffle_window=1)  # world and rank from the group
+    assert patched.num_workers == 2 and patched.multiprocessing_context is loader.multiprocessing_context
+    seen = []
+    for epoch in range(2):
+        patched.batch_sampler.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        seen.append([batch.tolist() for batch in patched])
+    gathered: List[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, seen)
+    return gathered
+
+
+def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
+    gathered = run_distributed(_three_rank_epochs, 3)[0]
+    for epoch in range(2):
+        user = ClassBalancedBatches(30, 4, seed=11)
+        user.set_epoch(epoch)
+        expected = sorted(list(user))
+        per_rank = [gathered[rank][epoch] for rank in range(3)]
+        assert [len(share) for share in per_rank] == [3, 3, 3]  # 7 batches padded to 9
+        dealt = [batch for share in per_rank for batch in share]
+        assert all(batch in expected for batch in dealt)
+        unique = {tuple(b) for b in dealt}
+        assert unique == {tuple(b) for b in expected}  # every batch of the epoch was seen by some rank
+        assert len(dealt) - len(unique) == 2  # the only repeats are the two padding batches
+    assert gathered[0][0] != gathered[0][1]  # set_epoch reached the user's sampler

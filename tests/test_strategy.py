@@ -1,0 +1,181 @@
+"""CustomDDP with real lightning.pytorch.Trainer runs on 2 CPU processes (spawn launcher inside pytest)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from distributed_helpers import free_env
+from lightning.pytorch.strategies import StrategyRegistry
+from scenarios import (
+    DATASET_SIZE,
+    CountingDDP,
+    IndexDataset,
+    PKBatches,
+    Recorder,
+    counting_allreduce,
+    labels_for,
+    loaders_by_kind,
+    read_ranks,
+    trainer_kwargs,
+)
+from torch.utils.data import DataLoader
+
+import lightning_ddp_ext
+from lightning_ddp_ext import CustomDDP
+from lightning_ddp_ext.strategy import process_group_backend_for
+
+HERE = Path(__file__).parent
+
+
+def batches_of(rank_report: Dict[str, Any], key: str, epoch: int) -> List[List[int]]:
+    return [indices for e, indices in rank_report["seen"][key] if e == epoch]
+
+
+def test_every_kind_of_custom_sampler_is_dealt_disjointly(tmp_path: Path) -> None:
+    """The four sampler kinds stock Lightning crashes on or silently duplicates, in one 2-epoch fit."""
+    loaders = loaders_by_kind()
+    val = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=5))
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn"), **trainer_kwargs())
+    trainer.fit(Recorder(str(tmp_path)), train_dataloaders=loaders, val_dataloaders=val)
+    ranks = read_ranks(str(tmp_path), 2)
+    for name, loader in loaders.items():
+        for epoch in range(2):
+            user_sampler = loader.batch_sampler if name != "index_sampler" else None
+            if user_sampler is not None and hasattr(user_sampler, "set_epoch"):
+                user_sampler.set_epoch(epoch)
+            if user_sampler is not None:
+                expected = [list(b) for b in user_sampler]
+            else:
+                order = list(loader.sampler)
+                expected = [order[i::2] for i in range(2)]  # index sampler: each rank takes every other index
+            shares = [batches_of(ranks[r], f"train/{name}", epoch) for r in range(2)]
+            assert len(shares[0]) == len(shares[1]) == 3, (name, epoch)
+            if user_sampler is not None:
+                assert shares[0] == expected[0::2] and shares[1] == expected[1::2], (name, epoch)
+            else:
+                assert [sum(share, []) for share in shares] == expected, (name, epoch)
+            if name != "pk":  # these three partition the dataset; P x K draws samples with repeats by design
+                seen = [i for share in shares for batch in share for i in batch]
+                assert len(seen) == len(set(seen)) == DATASET_SIZE, f"{name}: ranks overlap or miss samples"
+    # set_epoch reached the user's samplers from Lightning's loop, every epoch
+    for report in ranks:
+        assert report["facts"]["epochs_set"]["pk"] == [0, 1]
+        assert report["facts"]["backend"] == "gloo"
+    # validation is dealt too: 6 P x K batches, 3 per rank, disjoint
+    val_seen = [batches_of(ranks[r], "val/only", 0) for r in range(2)]
+    assert len(val_seen[0]) == len(val_seen[1]) == 3
+    assert not {tuple(b) for b in val_seen[0]} & {tuple(b) for b in val_seen[1]}
+
+
+def test_configure_ddp_override_and_one_allreduce_per_optimizer_step(tmp_path: Path) -> None:
+    """Counted by a comm hook: accumulate 4 -> 1 all-reduce round per optimizer step, not per micro-batch."""
+    data = IndexDataset(32)  # 16 batches of 1 per rank
+    rounds = {}
+    for accumulate, strategy in (
+        (4, CountingDDP(start_method="spawn")),  # hook registered in a configure_ddp override
+        (1, CustomDDP(start_method="spawn", ddp_comm_hook=counting_allreduce)),  # ddp_comm_hook= on gloo
+    ):
+        out = tmp_path / f"acc{accumulate}"
+        out.mkdir()
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=accumulate))
+        trainer.fit(Recorder(str(out)), DataLoader(data, batch_size=1))
+        report = read_ranks(str(out), 2)[0]
+        rounds[accumulate] = report["facts"]["allreduce_rounds"]
+        if accumulate == 4:
+            assert report["facts"].get("configure_ddp_override_used") is True
+    assert rounds == {4: 16 // 4, 1: 16}
+
+
+def test_unseeded_sampler_fails_before_the_first_optimizer_step(tmp_path: Path) -> None:
+    loader = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=None))
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    with pytest.raises(Exception, match="does not produce the same sequence on every rank") as raised:
+        trainer.fit(Recorder(str(tmp_path)), loader)
+    assert "PKBatches" in str(raised.value) and "Seed the sampler" in str(raised.value)
+    assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
+
+
+def test_empty_batch_sampler_is_a_clear_error(tmp_path: Path) -> None:
+    loader = DataLoader(IndexDataset(), batch_sampler=PKBatches([], p=2, k=4))
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    with pytest.raises(Exception, match="PKBatches is empty"):
+        trainer.fit(Recorder(str(tmp_path)), loader)
+
+
+def test_use_distributed_sampler_false_is_respected(tmp_path: Path) -> None:
+    loader = DataLoader(IndexDataset(), batch_size=8)
+    trainer = pl.Trainer(
+        strategy="ddp_custom_sampler_spawn", use_distributed_sampler=False, **trainer_kwargs(max_epochs=1)
+    )
+    trainer.fit(Recorder(str(tmp_path)), loader)
+    ranks = read_ranks(str(tmp_path), 2)
+    everything = [list(range(i, i + 8)) for i in range(0, DATASET_SIZE, 8)]
+    assert batches_of(ranks[0], "train/only", 0) == batches_of(ranks[1], "train/only", 0) == everything
+
+
+@pytest.mark.parametrize(
+    "name,start_method,find_unused",
+    [
+        ("ddp_custom_sampler", "popen", False),
+        ("ddp_custom_sampler_spawn", "spawn", False),
+        ("ddp_custom_sampler_fork", "fork", False),
+        ("ddp_custom_sampler_find_unused_parameters_true", "popen", True),
+    ],
+)
+def test_registry_names_resolve(name: str, start_method: str, find_unused: bool) -> None:
+    assert name in StrategyRegistry and "CustomDDP" in StrategyRegistry[name]["description"]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert type(trainer.strategy) is CustomDDP
+    assert trainer.strategy._start_method == start_method
+    assert trainer.strategy.ddp_kwargs.get("find_unused_parameters", False) is find_unused
+
+
+def test_register_is_idempotent() -> None:
+    before = {name: dict(StrategyRegistry[name]) for name in lightning_ddp_ext.register()}
+    assert lightning_ddp_ext.register() == list(before)
+    assert {name: dict(StrategyRegistry[name]) for name in before} == before
+
+
+def test_backend_selection() -> None:
+    assert process_group_backend_for(torch.device("cpu")) == "gloo"
+    assert process_group_backend_for(torch.device("cuda", 1)) == "nccl"
+    assert process_group_backend_for(torch.device("cuda", 0), "gloo") == "gloo"
+    on_gpu = CustomDDP(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert on_gpu.select_process_group_backend() == "nccl"
+    assert CustomDDP(parallel_devices=[torch.device("cpu")]).select_process_group_backend() == "gloo"
+    forced = CustomDDP(parallel_devices=[torch.device("cuda", 0)], process_group_backend="gloo")
+    assert forced.select_process_group_backend() == "gloo"
+
+
+def test_get_model_from_plugin_unwraps_nested_wrappers() -> None:
+    module = Recorder("unused")
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    assert CustomDDP().get_model_from_plugin(Outer(Outer(module))) is module
+    with pytest.raises(TypeError, match="does not wrap a LightningModule"):
+        CustomDDP().get_model_from_plugin(torch.nn.Linear(1, 1))
+
+
+def test_popen_launcher_from_a_standalone_script(tmp_path: Path) -> None:
+    """The plain "ddp_custom_sampler" name re-runs sys.argv per rank, so it runs as a script."""
+    result = subprocess.run(
+        [sys.executable, str(HERE / "scripts" / "popen_fit.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=free_env(),
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = read_ranks(str(tmp_path), 2)
+    expected = list(PKBatches(labels_for(), p=2, k=4, seed=1))  # the script's sampler, epoch 0
+    assert [batches_of(ranks[r], "train/only", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
