@@ -70,3 +70,12 @@ def comm_hook_arguments(strategy: "DDPStrategy") -> tuple[Optional[object], Opti
     """``(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)`` as given to the constructor."""
     return strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
 
+
+
+def inside_loop_steps(trainer: "pl.Trainer") -> bool:
+    """Whether the running loop is between its first step and its epoch end (Lightning's own `on_step` test).
+
+    The logger connector's ``_first_loop_iter`` is a bool from a loop's first batch until the epoch end is
+    reached, and None before and after.
+    """
+    return trainer._logger_connector._first_loop_iter is not None

@@ -3,7 +3,9 @@
 What gets wrapped, by what the loader holds:
 
 * a default ``RandomSampler``/``SequentialSampler`` (under torch's plain ``BatchSampler`` or none):
-  torch's ``DistributedSampler`` over the dataset, shuffling when the original did;
+  torch's ``DistributedSampler`` over the dataset, shuffling when the original did (with
+  ``even_shares=False``, which DistributedSampler cannot express, ``DistributedSamplerWrapper`` over the
+  dataset's positions, shuffled the same way);
 * a custom index sampler (under torch's plain ``BatchSampler`` or none): ``DistributedSamplerWrapper``,
   then batched as before;
 * any other batch sampler (a ``BatchSampler`` subclass or a class of its own): ``DistributedBatchSamplerWrapper``,
@@ -26,7 +28,7 @@ from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, Distribut
 __all__ = ["patch_dataloader_to_ddp", "is_sharded", "WRAPPER_OPTIONS"]
 
 #: Keyword options of the wrappers that ``patch_dataloader_to_ddp`` accepts.
-WRAPPER_OPTIONS = ("shuffle", "seed", "pad", "shuffle_window")
+WRAPPER_OPTIONS = ("shuffle", "seed", "pad", "shuffle_window", "even_shares")
 
 # DataLoader arguments that describe how indices are drawn: these are what we replace. Every other
 # argument of DataLoader's signature (read at call time, so new torch arguments carry over) is copied.
@@ -80,7 +82,7 @@ def patch_dataloader_to_ddp(
         loader: the single-process DataLoader.
         num_replicas: number of ranks; defaults to the default process group's world size.
         rank: this rank; defaults to the rank in the default process group.
-        **options: ``shuffle``, ``seed``, ``pad`` and ``shuffle_window`` for the wrappers (see
+        **options: ``shuffle``, ``seed``, ``pad``, ``shuffle_window`` and ``even_shares`` for the wrappers (see
             :class:`~lightning_ddp_ext.samplers.DistributedBatchSamplerWrapper`); ``seed`` and ``pad`` (as
             ``not drop_last``) also apply to the ``DistributedSampler`` used for default samplers.
 
@@ -130,7 +132,12 @@ def patch_dataloader_to_ddp(
 
     sampler = loader.sampler
     new_sampler: Sampler[Any]
-    if _is_default_sampler(sampler, dataset):
+    if _is_default_sampler(sampler, dataset) and not options.get("even_shares", True):
+        shuffled = type(sampler) is RandomSampler
+        new_sampler = DistributedSamplerWrapper(
+            SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)
+        )
+    elif _is_default_sampler(sampler, dataset):
         new_sampler = DistributedSampler(
             dataset,
             num_replicas=world,

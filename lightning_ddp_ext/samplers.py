@@ -72,6 +72,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         seed: int = 0,
         pad: bool = True,
         shuffle_window: Optional[int] = None,
+        even_shares: bool = True,
     ) -> None:
         owner = type(self).__name__
         if not hasattr(source, "__len__") or not hasattr(source, "__iter__"):
@@ -90,7 +91,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.seed = seed
         self.pad = pad
         self.shuffle_window = shuffle_window
+        self.even_shares = even_shares
         self.epoch = 0
+        #: When True, every item yielded in the current epoch is kept in :attr:`yielded` (for evaluation).
+        self.record_yielded = False
+        self.yielded: List[T] = []
         self._source_name = type(source).__name__
         self._head_digest: Optional[SequenceDigest] = None
         self._epoch_digest: Optional[SequenceDigest] = None
@@ -107,8 +112,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         return length
 
     def _plan(self, length: int) -> int:
-        """Return how many positions the dealt sequence has (a multiple of num_replicas)."""
+        """Return how many positions the dealt sequence has (a multiple of num_replicas when even)."""
         world = self.num_replicas
+        if not self.even_shares:
+            return length
         if self.pad:
             return -(-length // world) * world
         if length < world:
@@ -120,7 +127,16 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         return length // world * world
 
     def __len__(self) -> int:
-        return self._plan(self._declared_length()) // self.num_replicas
+        return len(range(self.rank, self._plan(self._declared_length()), self.num_replicas))
+
+    def real_share_length(self) -> int:
+        """How many of this rank's items this epoch are the sampler's own, not padding repeats.
+
+        Without shuffling, padding only ever fills the last round, so these are the first items yielded.
+        """
+        if self.shuffle:
+            raise ValueError("real_share_length() needs shuffle=False: shuffling moves padding into the sequence.")
+        return len(range(self.rank, min(self._declared_length(), self._plan(self._declared_length())), self.num_replicas))
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
@@ -160,8 +176,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         else:
             window = self.num_replicas * (self.shuffle_window or 1)
             items = self._iter_windows(length, total, window, digest, generator)
-        for item in items:
-            yield item
+        self.yielded = []
+        if self.record_yielded:
+            for item in items:
+                self.yielded.append(item)
+                yield item
+        else:
+            yield from items
         self._epoch_digest = digest.snapshot()
 
     def _mismatch(self, length: int, produced: int) -> LengthMismatchError:
@@ -277,6 +298,9 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
             ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each).
         shuffle_window: with ``shuffle=True``, permute within consecutive windows of ``shuffle_window * W``
             batches and stream; None shuffles the whole epoch, which must then be read before the first batch.
+        even_shares: False gives rank ``r`` exactly the positions ``r, r + W, ...`` of the sequence, neither
+            padded nor dropped, so ranks may get one item more or less: for exact evaluation only, where
+            ranks need not step in lock-step (``pad`` is then ignored).
 
     Example:
         >>> batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
@@ -300,8 +324,9 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         seed: int = 0,
         pad: bool = True,
         shuffle_window: Optional[int] = None,
+        even_shares: bool = True,
     ) -> None:
-        super().__init__(batch_sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window)
+        super().__init__(batch_sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window, even_shares)
         self.sampler = _EpochRelay(self)
 
     @property
@@ -332,8 +357,9 @@ class DistributedSamplerWrapper(_DealingWrapper[int]):
         seed: int = 0,
         pad: bool = True,
         shuffle_window: Optional[int] = None,
+        even_shares: bool = True,
     ) -> None:
-        super().__init__(sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window)
+        super().__init__(sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window, even_shares)
 
     @property
     def sampler(self) -> Iterable[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Generator, List, Optional, Union
+from typing import Any, Dict, Generator, List, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.consistency import SequenceDigest, verify_same_sequence
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+from lightning_ddp_ext.sync import gather_in_order
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
 
@@ -67,6 +69,11 @@ class CustomDDP(DDPStrategy):
         check_sampler_consistency: compare, across ranks, the lengths and a digest of what each rank's sampler
             yields, and raise before the first optimizer step when they differ (an unseeded sampler).
         seed: base seed of the shuffles and of ``DistributedSampler`` for default samplers.
+        eval_mode: ``"pad"`` gives every rank the same number of validation/test batches, repeating a few
+            (gather with :meth:`gather_in_order` to drop them); ``"exact"`` evaluates each sample once, so
+            ranks run different numbers of steps: no collective may run inside ``validation_step``/
+            ``test_step`` (e.g. ``self.log(..., on_step=True, sync_dist=True)``); one that goes through the
+            strategy raises instead of hanging.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts, including keyword
             arguments for the model wrapper (``find_unused_parameters``, ``static_graph``, ...).
 
@@ -94,9 +101,13 @@ class CustomDDP(DDPStrategy):
         pad_to_world_size: bool = True,
         check_sampler_consistency: bool = True,
         seed: int = 0,
+        eval_mode: Literal["pad", "exact"] = "pad",
         **kwargs: Any,
     ) -> None:
+        if eval_mode not in ("pad", "exact"):
+            raise ValueError(f"eval_mode must be 'pad' or 'exact', got {eval_mode!r}.")
         super().__init__(**kwargs)
+        self.eval_mode = eval_mode
         self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
         self.shuffle_window = shuffle_window
         self.pad_to_world_size = pad_to_world_size
@@ -226,6 +237,7 @@ class CustomDDP(DDPStrategy):
             "shuffle_window": self.shuffle_window,
             "seed": self.seed,
             "pad": self.pad_to_world_size,
+            "even_shares": True,
         }
 
     @override
@@ -244,10 +256,13 @@ class CustomDDP(DDPStrategy):
         if stage == RunningStage.PREDICTING:
             return dataloader  # Lightning already tracks and shards predict loaders itself
         options = self.sampler_options
-        if stage != RunningStage.TRAINING:
-            options.update(shuffle=False)
+        evaluating = stage != RunningStage.TRAINING
+        if evaluating:
+            options.update(shuffle=False, even_shares=self.eval_mode == "pad")
         patched = patch_dataloader_to_ddp(dataloader, **self.distributed_sampler_kwargs, **options)
         wrapper = _wrapper_of(patched)
+        if wrapper is not None and evaluating:
+            wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
         if wrapper is not None and self.check_sampler_consistency:
             length = len(wrapper.source)  # type: ignore[arg-type]
             verify_same_sequence(SequenceDigest(type(wrapper.source).__name__, -1, length, 0, 0))
@@ -293,6 +308,87 @@ class CustomDDP(DDPStrategy):
         if self.check_sampler_consistency:
             self._verify("eval", include_epoch_digest=False)
         super().on_test_end()
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluation_loader(self, dataloader_idx: int) -> DataLoader:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not (trainer.validating or trainer.testing or trainer.sanity_checking):
+            raise RuntimeError("evaluated_indices()/gather_in_order() work during validation or test only.")
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        if isinstance(loaders, DataLoader):
+            loaders = [loaders]
+        loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders or [])
+        if not 0 <= dataloader_idx < len(loaders):
+            raise IndexError(f"dataloader_idx {dataloader_idx} out of range: there are {len(loaders)} loaders.")
+        return loaders[dataloader_idx]
+
+    def evaluated_indices(self, dataloader_idx: int = 0) -> List[int]:
+        """The dataset indices this rank's evaluation loader yielded this run, in order, padding excluded.
+
+        The strategy dealt them, so a LightningModule needs no index bookkeeping of its own: outputs
+        collected in ``validation_step`` line up with these indices (the first ``len(outputs)`` of them).
+        """
+        loader = self._evaluation_loader(dataloader_idx)
+        wrapper = _wrapper_of(loader)
+        if wrapper is not None:
+            real = wrapper.yielded[: wrapper.real_share_length()]
+            if isinstance(wrapper, DistributedBatchSamplerWrapper):
+                return [int(i) for batch in real for i in batch]
+            return [int(i) for i in real]
+        sampler = loader.sampler
+        if isinstance(sampler, DistributedSampler):  # deterministic: iterating it again gives the same share
+            indices = list(sampler)
+            return indices[: len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))]  # type: ignore[arg-type]
+        raise RuntimeError(
+            f"{type(self).__name__} did not shard this loader ({type(sampler).__name__}), so it cannot tell which"
+            " samples this rank evaluated; track the indices yourself and use lightning_ddp_ext.sync.gather_in_order."
+        )
+
+    def gather_in_order(self, values: Any, dataloader_idx: int = 0) -> Any:
+        """All ranks' per-sample ``values`` of this evaluation run, in dataset order, each sample once.
+
+        ``values`` are this rank's outputs in the order its loader yielded the samples (a tensor with one row
+        per sample, or a list). Padding repeats are dropped before gathering. Call it on every rank, e.g. from
+        ``on_validation_epoch_end``.
+        """
+        indices = self.evaluated_indices(dataloader_idx)
+        count = min(len(values), len(indices))
+        return gather_in_order(values[:count], indices[:count])
+
+    def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (
+            self.eval_mode == "exact"
+            and trainer is not None
+            and (trainer.validating or trainer.testing or trainer.sanity_checking)
+            and _compat.inside_loop_steps(trainer)
+        ):
+            raise RuntimeError(
+                f"{name}() was called inside a validation/test step with {type(self).__name__}(eval_mode='exact'):"
+                " ranks evaluate different numbers of batches in that mode, so a per-step collective would hang."
+                " Move it to on_validation_epoch_end (self.log(..., on_step=False, on_epoch=True) is fine), or use"
+                " eval_mode='pad'."
+            )
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        self._refuse_collective_inside_exact_evaluation("reduce")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        self._refuse_collective_inside_exact_evaluation("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_collective_inside_exact_evaluation("barrier")
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_collective_inside_exact_evaluation("broadcast")
+        return super().broadcast(obj, src)
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -1,0 +1,83 @@
+"""Gathering validation outputs across ranks through the strategy, in "pad" and "exact" evaluation modes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from scenarios import IndexDataset, LengthBuckets, trainer_kwargs
+from torch.utils.data import DataLoader
+
+from lightning_ddp_ext import CustomDDP
+
+SIZE = 45  # odd, so 2 ranks need padding in "pad" mode and get uneven shares in "exact" mode
+
+
+class Embedder(pl.LightningModule):
+    def __init__(self, out_dir: str, log_every_step: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 3)
+        self.out_dir, self.log_every_step = out_dir, log_every_step
+        self.outputs: List[List[torch.Tensor]] = [[], []]
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, _ = batch
+        embedding = self.net(x)
+        self.outputs[dataloader_idx].append(embedding)
+        if self.log_every_step:
+            self.log("norm", embedding.norm(), on_step=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        strategy = self.trainer.strategy
+        report = {}
+        for idx, outputs in enumerate(self.outputs):
+            gathered = strategy.gather_in_order(torch.cat(outputs), dataloader_idx=idx)  # type: ignore[attr-defined]
+            report[idx] = {
+                "gathered": gathered.tolist(),
+                "evaluated": strategy.evaluated_indices(idx),  # type: ignore[attr-defined]
+                "rows_here": sum(len(o) for o in outputs),
+            }
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(report))
+
+
+def loaders() -> List[DataLoader]:
+    data = IndexDataset(SIZE)
+    return [
+        DataLoader(data, batch_size=4),  # default sampler
+        DataLoader(data, batch_sampler=LengthBuckets([(i * 5) % 13 for i in range(SIZE)], 5)),  # custom: 9 batches
+    ]
+
+
+@pytest.mark.parametrize("eval_mode", ["pad", "exact"])
+def test_gathered_embeddings_equal_single_process_in_dataset_order(tmp_path: Path, eval_mode: str) -> None:
+    pl.seed_everything(3)
+    model = Embedder(str(tmp_path))
+    with torch.no_grad():
+        expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in range(SIZE)]))
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode=eval_mode), **trainer_kwargs())
+    trainer.validate(model, loaders())
+    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    for idx in ("0", "1"):
+        for report in reports:
+            assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6)
+        evaluated = [i for report in reports for i in report[idx]["evaluated"]]
+        assert sorted(evaluated) == list(range(SIZE))  # each sample once, padding excluded
+        rows = [report[idx]["rows_here"] for report in reports]
+        if eval_mode == "exact":
+            assert sum(rows) == SIZE  # no sample evaluated twice
+        else:
+            assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
+
+
+def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Path) -> None:
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
+    with pytest.raises(Exception, match="eval_mode='exact'.*per-step collective would hang"):
+        trainer.validate(Embedder(str(tmp_path), log_every_step=True), loaders()[0])
+
+
+def test_eval_mode_is_validated() -> None:
+    with pytest.raises(ValueError, match="eval_mode must be 'pad' or 'exact'"):
+        CustomDDP(eval_mode="uneven")  # type: ignore[arg-type]
