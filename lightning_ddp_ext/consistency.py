@@ -13,11 +13,19 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["SequenceDigest", "RunningDigest", "verify_same_sequence"]
+__all__ = ["SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence"]
 
 #: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
 _HEAD_ITEMS = 64
 _STRIDE = 64
+
+
+def sampled_positions(start: int, end: int) -> range | list[int]:
+    """The positions in ``[start, end)`` that the digest hashes: the first ``_HEAD_ITEMS``, then every ``_STRIDE``-th."""
+    if end <= _HEAD_ITEMS:
+        return range(start, end)
+    first_strided = max(_HEAD_ITEMS, -(-start // _STRIDE) * _STRIDE)
+    return [*range(start, min(end, _HEAD_ITEMS)), *range(first_strided, end, _STRIDE)]
 
 
 @dataclass(frozen=True)
@@ -57,13 +65,15 @@ class RunningDigest:
 
     def update(self, items: Sequence[Any], start: int) -> None:
         """Account for ``items``, which sit at positions ``start, start + 1, ...`` of the sequence."""
-        end = start + len(items)
-        self._items = end
-        if start >= _HEAD_ITEMS and (start - 1) // _STRIDE == (end - 1) // _STRIDE:
-            return  # no sampled position in this block
-        for position in range(start, end):
-            if position < _HEAD_ITEMS or position % _STRIDE == 0:
-                self._value = hash((self._value, position, self._key(items[position - start], position)))
+        self._items = start + len(items)
+        for position in sampled_positions(start, self._items):
+            self._value = hash((self._value, position, self._key(items[position - start], position)))
+
+    def include(self, items: Sequence[Any], start: int) -> None:
+        """Hash every one of ``items`` (positions ``start, start + 1, ...``): for callers that sample themselves."""
+        for offset, item in enumerate(items):
+            self._value = hash((self._value, start + offset, self._key(item, start + offset)))
+        self._items = max(self._items, start + len(items))
 
     def _key(self, item: Any, position: int) -> Any:
         try:

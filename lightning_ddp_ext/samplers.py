@@ -18,7 +18,8 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-from itertools import islice
+from itertools import chain, compress, count, islice
+from operator import itemgetter
 from typing import Any, Generic, Iterable, Iterator, List, Optional, Sequence, TypeVar
 
 import numpy as np
@@ -27,12 +28,18 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lightning_ddp_ext._store import CompactStore
-from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
+from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest, sampled_positions
 
 __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "LengthMismatchError"]
 
 T = TypeVar("T")
 
+# Rounds (of W items) read at once when streaming: large enough that per-block work vanishes per item.
+_BLOCK_ROUNDS = 16
+# Rounds the unshuffled path deals in C between two Python steps (each hashes one round for the digest).
+_CHUNK_ROUNDS = 256
+# Leading items the unshuffled path reads in Python (the digest hashes the first items in full).
+_HEAD_ITEMS = 64
 # Windows whose permutations are drawn in one call grow 1, 2, 4, ... up to this many elements, so that the
 # first batch costs one tiny draw whatever the epoch's length.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
@@ -166,23 +173,29 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[T]:
+        # The work is done per block by generators that yield lists; chain.from_iterable walks each list in C,
+        # so an item costs no Python frame at all (the floor is the user's sampler, at about 1 us a batch).
+        return chain.from_iterable(self._own_blocks())
+
+    def _own_blocks(self) -> Iterator[List[T]]:
+        """This rank's items of the epoch, as consecutive lists."""
         length = self._declared_length()
         total = self._plan(length)
         digest = RunningDigest(self._source_name, self.epoch, length, self._batched)
         self._head_digest = None
+        self.yielded = []
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
-        if generator is not None and self.shuffle_window is None:
-            items = self._iter_full_shuffle(length, total, digest, generator)
+        if generator is None:
+            blocks = self._unshuffled_blocks(length, total, digest)
+        elif self.shuffle_window is None:
+            blocks = self._full_shuffle_blocks(length, total, digest, generator)
         else:
             window = self.num_replicas * (self.shuffle_window or 1)
-            items = self._iter_windows(length, total, window, digest, generator)
-        self.yielded = []
-        if self.record_yielded:
-            for item in items:
-                self.yielded.append(item)
-                yield item
-        else:
-            yield from items
+            blocks = self._window_blocks(length, total, window, digest, generator)
+        for block in blocks:
+            if self.record_yielded:
+                self.yielded.extend(block)
+            yield block
         self._epoch_digest = digest.snapshot()
 
     def _mismatch(self, length: int, produced: int) -> LengthMismatchError:
@@ -192,26 +205,80 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             f" make __len__ return exactly the number of items __iter__ yields for the current epoch."
         )
 
-    def _iter_windows(
+    def _unshuffled_blocks(self, length: int, total: int, digest: RunningDigest) -> Iterator[Iterable[T]]:
+        """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
+
+        Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
+        rounds in C (``zip`` groups the stream into rounds, ``itemgetter`` keeps this rank's item, so the
+        other ranks' items are freed at once), with one round per chunk hashed, and the last round in Python
+        (length check, padding). ``zip`` only emits complete rounds, so every rank yields the same number of
+        items even when the sampler runs out early.
+        """
+        world, rank = self.num_replicas, self.rank
+        counter = count()
+        counted = map(itemgetter(0), zip(self.source, counter))  # items unchanged; `counter` counts them in C
+        final_start = (total - 1) // world * world  # first position of the last round
+        head_end = min(final_start, -(-_HEAD_ITEMS // world) * world)
+        head: List[Any] = []
+        for start, end in ((0, min(world, head_end)), (world, head_end)):  # one round first: a fast first item
+            if end <= start:
+                continue
+            block = list(islice(counted, end - start))
+            if len(block) < end - start:
+                raise self._mismatch(length, start + len(block))
+            digest.update(block, start)
+            head.extend(block)
+            self._head_digest = digest.snapshot()
+            yield block[rank::world]
+        rounds = zip(*[counted] * world)
+        pick = itemgetter(rank)
+        position = head_end
+        while position < final_start:
+            chunk = min(_CHUNK_ROUNDS, (final_start - position) // world)
+            yield map(pick, islice(rounds, chunk - 1))
+            last = next(rounds, None)
+            if last is None:
+                raise self._mismatch(length, next(counter))
+            digest.include(last, position + (chunk - 1) * world)
+            position += chunk * world
+            yield (last[rank],)
+        final = list(islice(counted, max(0, length - final_start)))
+        extra = sum(1 for _ in counted)
+        if final_start + len(final) + extra != length:
+            raise self._mismatch(length, final_start + len(final) + extra)
+        digest.update(final, final_start)
+        source_of_padding = head or final
+        last_round = final[: total - final_start] + [
+            source_of_padding[(p - length) % len(source_of_padding)] for p in range(max(length, final_start), total)
+        ]
+        if not head_end:
+            self._head_digest = digest.snapshot()
+        yield last_round[rank::world]
+
+    def _window_blocks(
         self,
         length: int,
         total: int,
         window: int,
         digest: RunningDigest,
         generator: Optional[torch.Generator],
-    ) -> Iterator[T]:
-        """Read ``window`` items at a time, optionally permute them, and keep every W-th one.
+    ) -> Iterator[List[T]]:
+        """Read whole windows, optionally permute each, and keep every W-th item.
 
-        A window is only dealt once it was read completely, so every rank yields the same number of
-        items even when the sampler runs out early; the length is checked before the last window.
+        Items are read in blocks of 1, 2, 4, ... windows (up to about ``_BLOCK_ROUNDS`` rounds), so the
+        first item comes after one window while the per-item cost stays that of slicing a list. A block is
+        only dealt once it was read completely, so every rank yields the same number of items even when the
+        sampler runs out early; the length is checked before the last block.
         """
         world, rank = self.num_replicas, self.rank
         iterator = iter(self.source)
         pad_count = total - length
         head: List[Any] = []  # the first items, kept to pad the last round
         permutations = _window_permutations(total, window, world, rank, generator) if generator else None
-        for start in range(0, total, window):
-            size = min(window, total - start)
+        windows_per_block, most_windows = 1, max(1, _BLOCK_ROUNDS * world // window)
+        start = 0
+        while start < total:
+            size = min(window * windows_per_block, total - start)
             real = max(0, min(size, length - start))
             block = list(islice(iterator, real))
             if len(block) < real:
@@ -219,7 +286,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             digest.update(block, start)
             if len(head) < pad_count:
                 head.extend(block[: pad_count - len(head)])
-            if start + size >= total:  # last window: the sampler must end exactly at `length`
+            if start + size >= total:  # last block: the sampler must end exactly at `length`
                 remaining = sum(1 for _ in iterator)
                 if start + real + remaining != length:
                     raise self._mismatch(length, start + real + remaining)
@@ -227,13 +294,22 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             if start == 0:
                 self._head_digest = digest.snapshot()
             if permutations is None:
-                yield from block[rank::world]
+                yield block[rank::world]
             else:
-                for position in next(permutations):
-                    yield block[position]
+                for offset in range(0, size, window):
+                    yield list(map(block.__getitem__, [offset + p for p in next(permutations)]))
+            start += size
+            windows_per_block = min(2 * windows_per_block, most_windows)
 
-    def _iter_full_shuffle(self, length: int, total: int, digest: RunningDigest, generator: torch.Generator) -> Iterator[T]:
-        """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly."""
+    def _full_shuffle_blocks(
+        self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
+    ) -> Iterator[List[T]]:
+        """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly.
+
+        The permutation depends only on ``seed + epoch`` and the length, so a rank knows before reading which
+        positions it needs; ``itertools.compress`` then picks them (and the digest's sample positions) out of
+        the sampler's stream in C, and only those are stored.
+        """
         world, rank = self.num_replicas, self.rank
         own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
         # Padding positions repeat the start of the sequence.
@@ -241,23 +317,26 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         needed_sources, slot_of_position = np.unique(own_sources, return_inverse=True)
         needed = np.zeros(length, dtype=np.bool_)
         needed[needed_sources] = True
-        needed_flags = needed.tobytes()
-        store = CompactStore(batched=self._batched)
-        produced = 0
-        probe: List[Any] = [None]
-        for produced, item in enumerate(self.source, start=1):
-            position = produced - 1
-            if position < length and needed_flags[position]:
+        sampled = np.zeros(length, dtype=np.bool_)
+        sampled[sampled_positions(0, length)] = True
+        selected = needed | sampled
+        selected_positions = np.flatnonzero(selected).tolist()
+        keep_flags = needed[selected].tolist()
+        sample_flags = sampled[selected].tolist()
+        counter = count()
+        counted = map(itemgetter(0), zip(self.source, counter))  # counts what the sampler yields, in C
+        store = CompactStore(batched=self._batched, owner=self._source_name)
+        for k, item in enumerate(compress(counted, selected.tobytes())):
+            if keep_flags[k]:
                 store.append(item)
-            if position < 64 or position % 64 == 0:
-                probe[0] = item
-                digest.update(probe, position)
+            if sample_flags[k]:
+                digest.update((item,), selected_positions[k])
+        produced = next(counter) + sum(1 for _ in counted)
         if produced != length:
             raise self._mismatch(length, produced)
-        digest.update([], length)
+        digest.update((), length)
         self._head_digest = digest.snapshot()
-        return_order = slot_of_position.reshape(-1)
-        yield from store.iter_in_order(return_order)  # type: ignore[misc]
+        yield from store.blocks_in_order(slot_of_position.reshape(-1).tolist())  # type: ignore[misc]
 
 
 def _window_permutations(
