@@ -87,7 +87,7 @@ def _worker(strategy: str, accumulate: int, out: str, epochs: int) -> None:
         Path(out).write_text(
             json.dumps(
                 {
-                    "median_step_s": statistics.median(model.step_times),
+                    "median_step_s": statistics.median(model.step_times) if model.step_times else None,
                     "rounds": rounds[0],
                     "optimizer_steps": trainer.global_step,
                 }

@@ -11,6 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext.consistency import verify_same_sequence
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
 
@@ -130,11 +131,23 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
         seen.append([batch.tolist() for batch in patched])
     gathered: List[Any] = [None] * world_size
     torch.distributed.all_gather_object(gathered, seen)
-    return gathered
+    # The consistency check: a seeded sampler agrees across ranks, an unseeded one is caught.
+    seeded = DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11))
+    next(iter(seeded))
+    verify_same_sequence(seeded.head_digest)
+    unseeded = DistributedBatchSamplerWrapper(BatchSampler(RandomSampler(range(30)), 4, False))
+    next(iter(unseeded))
+    try:
+        verify_same_sequence(unseeded.head_digest)
+    except RuntimeError as error:
+        return gathered, str(error)
+    return gathered, None
 
 
 def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
-    gathered = run_distributed(_three_rank_epochs, 3)[0]
+    gathered, unseeded_error = run_distributed(_three_rank_epochs, 3)[0]
+    assert unseeded_error is not None and "BatchSampler does not produce the same sequence" in unseeded_error
+    assert "Seed the sampler identically on every rank" in unseeded_error
     for epoch in range(2):
         user = ClassBalancedBatches(30, 4, seed=11)
         user.set_epoch(epoch)
