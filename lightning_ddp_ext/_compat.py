@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy
 
 LIGHTNING_CHECKED = (">=2.2.0", "<=2.6.6")
+_USER_FLAG = "_lightning_ddp_ext_user_flag"  # where the user's use_distributed_sampler is kept
 
 
 def take_over_sampler_replacement(trainer: "pl.Trainer") -> bool:
@@ -27,10 +28,10 @@ def take_over_sampler_replacement(trainer: "pl.Trainer") -> bool:
     untouched for our ``process_dataloader``. The user's original value is kept on the connector.
     """
     connector = trainer._accelerator_connector
-    if not hasattr(connector, "_lightning_ddp_ext_user_flag"):
-        connector._lightning_ddp_ext_user_flag = bool(connector.use_distributed_sampler)
+    if not hasattr(connector, _USER_FLAG):
+        setattr(connector, _USER_FLAG, bool(connector.use_distributed_sampler))
         connector.use_distributed_sampler = False
-    return bool(connector._lightning_ddp_ext_user_flag)
+    return bool(getattr(connector, _USER_FLAG))
 
 
 @contextmanager

@@ -127,15 +127,15 @@ def patch_dataloader_to_ddp(
     batch_sampler = loader.batch_sampler
     plain_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
     if not plain_batching:
-        new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)
+        new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
 
-    sampler = loader.sampler
+    sampler: Sampler[Any] = loader.sampler  # type: ignore[assignment]
     new_sampler: Sampler[Any]
     if _is_default_sampler(sampler, dataset) and not options.get("even_shares", True):
         shuffled = type(sampler) is RandomSampler
         new_sampler = DistributedSamplerWrapper(
-            SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)
+            SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)  # type: ignore[arg-type]
         )
     elif _is_default_sampler(sampler, dataset):
         new_sampler = DistributedSampler(

@@ -177,7 +177,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         # so an item costs no Python frame at all (the floor is the user's sampler, at about 1 us a batch).
         return chain.from_iterable(self._own_blocks())
 
-    def _own_blocks(self) -> Iterator[List[T]]:
+    def _own_blocks(self) -> Iterator[Iterable[T]]:
         """This rank's items of the epoch, as consecutive lists."""
         length = self._declared_length()
         total = self._plan(length)
@@ -185,6 +185,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self._head_digest = None
         self.yielded = []
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None
+        blocks: Iterator[Iterable[T]]
         if generator is None:
             blocks = self._unshuffled_blocks(length, total, digest)
         elif self.shuffle_window is None:
@@ -194,6 +195,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             blocks = self._window_blocks(length, total, window, digest, generator)
         for block in blocks:
             if self.record_yielded:
+                block = list(block)  # blocks may be one-shot iterators
                 self.yielded.extend(block)
             yield block
         self._epoch_digest = digest.snapshot()
@@ -262,7 +264,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         window: int,
         digest: RunningDigest,
         generator: Optional[torch.Generator],
-    ) -> Iterator[List[T]]:
+    ) -> Iterator[Iterable[T]]:
         """Read whole windows, optionally permute each, and keep every W-th item.
 
         Items are read in blocks of 1, 2, 4, ... windows (up to about ``_BLOCK_ROUNDS`` rounds), so the
@@ -303,7 +305,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     def _full_shuffle_blocks(
         self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
-    ) -> Iterator[List[T]]:
+    ) -> Iterator[Iterable[T]]:
         """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly.
 
         The permutation depends only on ``seed + epoch`` and the length, so a rank knows before reading which

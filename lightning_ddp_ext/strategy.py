@@ -178,7 +178,7 @@ class CustomDDP(DDPStrategy):
         self.model = type(self).configure_ddp(self, self.model, self.determine_ddp_device_ids())
         self._register_comm_hook()
 
-    def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:
+    def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` for data-parallel training and return the wrapper; override to use another wrapper.
 
         The default is ``DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)`` with
@@ -215,7 +215,7 @@ class CustomDDP(DDPStrategy):
     def get_model_from_plugin(self, model: Module) -> LightningModule:
         """Unwrap ``model`` (a wrapper returned by :meth:`configure_ddp`) down to the LightningModule."""
         while not isinstance(model, LightningModule) and isinstance(getattr(model, "module", None), Module):
-            model = model.module
+            model = getattr(model, "module")
         if not isinstance(model, LightningModule):
             raise TypeError(f"{type(model).__name__} does not wrap a LightningModule through `.module`.")
         return model
@@ -331,7 +331,7 @@ class CustomDDP(DDPStrategy):
         loader = self._evaluation_loader(dataloader_idx)
         wrapper = _wrapper_of(loader)
         if wrapper is not None:
-            real = wrapper.yielded[: wrapper.real_share_length()]
+            real: List[Any] = wrapper.yielded[: wrapper.real_share_length()]
             if isinstance(wrapper, DistributedBatchSamplerWrapper):
                 return [int(i) for batch in real for i in batch]
             return [int(i) for i in real]

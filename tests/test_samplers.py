@@ -274,3 +274,15 @@ def test_sampler_modules_import_without_lightning() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 4}, {"even_shares": False}])
+def test_recorded_items_equal_what_was_yielded_on_long_epochs(options: dict) -> None:
+    """Long enough to go through every stage of the streaming path (Python head, C middle, Python tail)."""
+    source = VariableBatches(5000)
+    wrapper = DistributedBatchSamplerWrapper(source, 3, 2, **options)
+    wrapper.record_yielded = True
+    yielded = list(wrapper)
+    assert yielded == wrapper.yielded and len(yielded) == len(wrapper)
+    if not options.get("shuffle"):
+        assert [tuple(b) for b in yielded[: wrapper.real_share_length()]] == [tuple(b) for b in list(source)[2::3]]
