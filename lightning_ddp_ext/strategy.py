@@ -114,6 +114,7 @@ class CustomDDP(DDPStrategy):
         self.check_sampler_consistency = check_sampler_consistency
         self.seed = seed
         self._replace_samplers = True
+        self._said_no_replacement = False
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
 
@@ -164,7 +165,8 @@ class CustomDDP(DDPStrategy):
         self._replace_samplers = _compat.take_over_sampler_replacement(trainer)
         self._watched = {}
         self._verified_train_epoch = None
-        if not self._replace_samplers:
+        if not self._replace_samplers and not self._said_no_replacement:
+            self._said_no_replacement = True
             rank_zero_info(
                 f"{type(self).__name__}: Trainer(use_distributed_sampler=False) was given, so dataloaders are used as"
                 " they are: each rank must load its own share."
