@@ -18,20 +18,22 @@ LIGHTNING_CHECKED = (">=2.2.0", "<=2.6.6")
 _USER_FLAG = "_lightning_ddp_ext_user_flag"  # where the user's use_distributed_sampler is kept
 
 
-def take_over_sampler_replacement(trainer: "pl.Trainer") -> bool:
-    """Stop Lightning's own sampler replacement and return whether the user allowed replacement at all.
+def take_over_sampler_replacement(trainer: "pl.Trainer", take_over: bool = True) -> bool:
+    """Stop (or, with ``take_over=False``, restore) Lightning's own sampler replacement.
 
+    Returns whether the user allowed sampler replacement at all (the Trainer's ``use_distributed_sampler``).
     Lightning replaces samplers in ``_DataConnector._prepare_dataloader``, which runs *before*
     ``Strategy.process_dataloader`` and there either raises for custom batch samplers or re-instantiates
     them. Its only switch is the accelerator connector's ``use_distributed_sampler`` flag (the Trainer
-    argument), read at every dataloader set-up; turning it off here, once per trainer, leaves the sampler
-    untouched for our ``process_dataloader``. The user's original value is kept on the connector.
+    argument), read at every dataloader set-up, which follows ``Strategy.setup`` in every trainer entry
+    point. The user's original value is kept on the connector.
     """
     connector = trainer._accelerator_connector
     if not hasattr(connector, _USER_FLAG):
         setattr(connector, _USER_FLAG, bool(connector.use_distributed_sampler))
-        connector.use_distributed_sampler = False
-    return bool(getattr(connector, _USER_FLAG))
+    user_flag = bool(getattr(connector, _USER_FLAG))
+    connector.use_distributed_sampler = user_flag and not take_over
+    return user_flag
 
 
 @contextmanager

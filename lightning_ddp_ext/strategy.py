@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -162,7 +162,9 @@ class CustomDDP(DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._replace_samplers = _compat.take_over_sampler_replacement(trainer)
+        # Predict loaders stay Lightning's: it shards them itself (without padding) and tracks their indices.
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
         self._watched = {}
         self._verified_train_epoch = None
         if not self._replace_samplers and not self._said_no_replacement:
@@ -256,7 +258,7 @@ class CustomDDP(DDPStrategy):
             return dataloader
         stage = trainer.state.stage
         if stage == RunningStage.PREDICTING:
-            return dataloader  # Lightning already tracks and shards predict loaders itself
+            return dataloader  # Lightning shards predict loaders itself (see `setup`)
         options = self.sampler_options
         evaluating = stage != RunningStage.TRAINING
         if evaluating:

@@ -48,5 +48,7 @@ def test_sampler_replacement_switch() -> None:
     assert _compat.take_over_sampler_replacement(trainer) is True
     assert trainer._accelerator_connector.use_distributed_sampler is False
     assert _compat.take_over_sampler_replacement(trainer) is True  # the user's value is remembered
+    assert _compat.take_over_sampler_replacement(trainer, take_over=False) is True  # e.g. for predict
+    assert trainer._accelerator_connector.use_distributed_sampler is True
     refused = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False)
     assert _compat.take_over_sampler_replacement(refused) is False

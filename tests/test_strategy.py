@@ -179,3 +179,20 @@ def test_popen_launcher_from_a_standalone_script(tmp_path: Path) -> None:
     ranks = read_ranks(str(tmp_path), 2)
     expected = list(PKBatches(labels_for(), p=2, k=4, seed=1))  # the script's sampler, epoch 0
     assert [batches_of(ranks[r], "train/only", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
+
+
+class Predictor(Recorder):
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self._record("predict", batch)
+
+    def on_predict_end(self) -> None:
+        self.teardown("predict")
+
+
+def test_predict_is_sharded_by_lightning(tmp_path: Path) -> None:
+    """Predict loaders are left to Lightning, which splits them across ranks without padding."""
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs())
+    trainer.predict(Predictor(str(tmp_path)), DataLoader(IndexDataset(), batch_size=8), return_predictions=False)
+    ranks = read_ranks(str(tmp_path), 2)
+    seen = [i for report in ranks for _, batch in report["seen"]["predict/only"] for i in batch]
+    assert sorted(seen) == list(range(DATASET_SIZE))
