@@ -37,6 +37,10 @@ test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py
 
+## make docs: the Sphinx site in docs/_build/html, warnings as errors (works offline: see docs/conf.py)
+docs: $(VENV)/.installed
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/sampler_overhead.py --quick
 
