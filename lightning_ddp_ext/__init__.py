@@ -11,6 +11,7 @@ from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, Distribut
 __all__ = [
     "__version__",
     "CustomDDP",
+    "CustomDDPSharded",
     "DistributedBatchSamplerWrapper",
     "DistributedSamplerWrapper",
     "patch_dataloader_to_ddp",
@@ -19,6 +20,7 @@ __all__ = [
 
 try:
     from lightning_ddp_ext.strategy import CustomDDP
+    from lightning_ddp_ext.sharded import CustomDDPSharded  # imports fairscale only when constructed
     from lightning_ddp_ext.registry import register
 except ModuleNotFoundError as error:  # only a missing Lightning is tolerated, never a broken import of ours
     if error.name is None or error.name.split(".")[0] not in ("lightning", "lightning_utilities"):
@@ -26,7 +28,7 @@ except ModuleNotFoundError as error:  # only a missing Lightning is tolerated, n
     _LIGHTNING_IMPORT_ERROR: ModuleNotFoundError = error
 
     def __getattr__(name: str) -> object:
-        if name in ("CustomDDP", "register"):
+        if name in ("CustomDDP", "CustomDDPSharded", "register"):
             raise ImportError(
                 f"lightning_ddp_ext.{name} needs Lightning 2.x: pip install 'lightning>=2.2,<3'."
             ) from _LIGHTNING_IMPORT_ERROR

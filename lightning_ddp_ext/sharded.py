@@ -1,0 +1,468 @@
+"""``CustomDDPSharded``: CustomDDP with fairscale's optimizer-state and gradient sharding (OSS + ShardedDataParallel).
+
+Lightning 1.x had ``ddp_sharded``; a straight port of it onto Lightning 2.x trains wrongly without an error.
+Each override below exists for one of those failures and says which; ``tests/test_sharded.py`` has a test for
+each that fails without it. fairscale is optional (``pip install "lightning_ddp_ext[sharded]"``) and imported
+only when this strategy is constructed or used.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddp_ext.strategy import CustomDDP
+
+if TYPE_CHECKING:
+    from fairscale.optim import OSS
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+__all__ = [
+    "CustomDDPSharded",
+    "balanced_partition",
+    "fairscale_available",
+    "rank_synchronised_scaler",
+    "require_every_rank",
+    "shard_optimizer",
+]
+
+INSTALL_HINT = 'pip install "lightning_ddp_ext[sharded]"'
+
+#: Constructor arguments of DDPStrategy that only mean something for torch's DistributedDataParallel.
+_DDP_ONLY_STRATEGY_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def fairscale_available() -> bool:
+    """Whether fairscale can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("fairscale") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _fairscale() -> Tuple[type, type]:
+    """``(OSS, ShardedDataParallel)``, or an ImportError that says what to install."""
+    try:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim import OSS
+    except ModuleNotFoundError as error:
+        if (error.name or "fairscale").split(".")[0] != "fairscale":
+            raise
+        raise ImportError(f"CustomDDPSharded needs fairscale, which is not installed: {INSTALL_HINT}") from error
+    return OSS, ShardedDataParallel
+
+
+def _wrapper_options() -> Tuple[str, ...]:
+    """The keyword arguments users may pass to ShardedDataParallel (``process_group`` is the strategy's)."""
+    _, sharded_data_parallel = _fairscale()
+    names = inspect.signature(sharded_data_parallel).parameters
+    return tuple(name for name in names if name not in ("module", "sharded_optimizer", "process_group"))
+
+
+# ---------------------------------------------------------------------------------------------- partition
+def balanced_partition(
+    param_groups: Sequence[Mapping[str, Any]], world_size: int, largest_first: bool = True
+) -> List[List[Dict[str, Any]]]:
+    """Assign every parameter to one rank: each, largest first, to the rank that holds the fewest elements so far.
+
+    fairscale's OSS does the same greedy assignment in parameter order, so one large tensor that comes late
+    (or an embedding that comes first) leaves a rank with far more than its share: 1.195x the ideal on a small
+    transformer. Taking the largest first is the classic LPT rule (torch's ZeroRedundancyOptimizer sorts the
+    same way). Frozen parameters weigh 1, as in OSS: they have no optimizer state.
+
+    Args:
+        param_groups: the optimizer's parameter groups.
+        world_size: number of ranks.
+        largest_first: False reproduces fairscale's own partition (for comparison).
+
+    Returns:
+        One list per rank with a copy of every group (also of groups where the rank owns nothing, so that
+        OSS can pair its groups with the shard optimizer's one to one), holding the parameters that rank owns
+        in their original order: the shape of ``OSS.partition_parameters()``.
+
+    Example:
+        >>> from torch.nn import Parameter
+        >>> sizes = [1, 8, 2, 7]
+        >>> groups = [{"params": [Parameter(torch.zeros(n)) for n in sizes], "lr": 0.1}]
+        >>> [[p.numel() for p in rank[0]["params"]] for rank in balanced_partition(groups, 2)]
+        [[1, 8], [2, 7]]
+        >>> [[p.numel() for p in rank[0]["params"]] for rank in balanced_partition(groups, 2, largest_first=False)]
+        [[1, 2, 7], [8]]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+
+    def weight(param: torch.Tensor) -> int:
+        return param.numel() if param.requires_grad else 1
+
+    entries = [(g, i, p) for g, group in enumerate(param_groups) for i, p in enumerate(group["params"])]
+    if largest_first:
+        entries.sort(key=lambda entry: -weight(entry[2]))  # stable: equal sizes keep parameter order
+    loads = [0] * world_size
+    owner: Dict[Tuple[int, int], int] = {}
+    for g, i, param in entries:
+        rank = loads.index(min(loads))
+        owner[(g, i)] = rank
+        loads[rank] += weight(param)
+    return [
+        [
+            {**group, "params": [p for i, p in enumerate(group["params"]) if owner[(g, i)] == rank]}
+            for g, group in enumerate(param_groups)
+        ]
+        for rank in range(world_size)
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _balanced_oss_class() -> type:
+    """fairscale's OSS with :func:`balanced_partition`; built on first use so that fairscale stays optional."""
+    oss_class, _ = _fairscale()
+
+    class BalancedOSS(oss_class):  # type: ignore[misc, valid-type]
+        """OSS whose partition takes the largest parameters first; everything else is fairscale's.
+
+        The parameter groups keep the user's parameter order, so ``state_dict()`` (consolidated) indexes
+        parameters exactly as the unsharded optimizer does and checkpoints stay interchangeable with CustomDDP.
+        """
+
+        @override
+        def partition_parameters(self) -> List[List[Dict[str, Any]]]:
+            # OSS caches the partition in this list and clears it when parameters change.
+            if len(self._partition_parameters) == 0:  # type: ignore[has-type]
+                self._partition_parameters = balanced_partition(self.param_groups, self.world_size)
+            return self._partition_parameters
+
+    BalancedOSS.__module__, BalancedOSS.__qualname__ = __name__, "BalancedOSS"
+    return BalancedOSS
+
+
+# ---------------------------------------------------------------------------------------------- optimizers
+def constructor_defaults(optimizer_class: type, defaults: Mapping[str, Any]) -> Dict[str, Any]:
+    """The entries of ``defaults`` that ``optimizer_class(params, **entries)`` accepts.
+
+    An optimizer's ``defaults`` may hold keys its constructor does not take (torch's AdamW records
+    ``decoupled_weight_decay``), so ``OSS(..., optim=cls, **opt.defaults)`` raises TypeError. Dropped keys
+    lose nothing: every parameter group carries its own copy of them.
+    """
+    parameters = inspect.signature(optimizer_class).parameters
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return dict(defaults)
+    return {key: value for key, value in defaults.items() if key in parameters}
+
+
+def shard_optimizer(optimizer: Optimizer, group: Optional[Any] = None) -> "OSS":
+    """``optimizer`` rebuilt as an OSS of the same class, parameter groups and defaults; an OSS is returned as is.
+
+    Build it before the optimizer has state: state is not carried over (Lightning restores checkpoints after
+    the strategy's setup, into the new optimizer).
+
+    Args:
+        optimizer: a torch optimizer built by ``configure_optimizers``.
+        group: the process group to shard over (default: the whole world).
+
+    Raises:
+        ValueError: the optimizer has no parameter groups (``configure_optimizers`` returned no optimizer).
+        TypeError: the optimizer class cannot be rebuilt from its parameter groups and defaults.
+    """
+    oss_class, _ = _fairscale()
+    if isinstance(optimizer, oss_class):
+        return optimizer
+    optimizer_class = type(optimizer)
+    if not optimizer.param_groups:
+        raise ValueError(
+            f"{optimizer_class.__name__} has no parameters to shard: CustomDDPSharded needs configure_optimizers to"
+            " return an optimizer. Use CustomDDP for a fit without one."
+        )
+    groups = [{**param_group, "params": list(param_group["params"])} for param_group in optimizer.param_groups]
+    defaults = constructor_defaults(optimizer_class, optimizer.defaults)
+    try:
+        return _balanced_oss_class()(groups, optim=optimizer_class, group=group, **defaults)
+    except TypeError as error:
+        raise TypeError(
+            f"CustomDDPSharded could not rebuild {optimizer_class.__name__} as a fairscale OSS shard ({error}). Return"
+            f" fairscale.optim.OSS(params, optim={optimizer_class.__name__}, ...) from configure_optimizers yourself;"
+            " an OSS optimizer is used as it is."
+        ) from error
+
+
+def _point_schedulers_at(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> None:
+    """Make the LR schedulers of ``old`` adjust ``new``, which OSS syncs into its shard optimizer at each step.
+
+    torch's LRScheduler wraps ``optimizer.step`` to record that it ran, and warns when a scheduler steps an
+    optimizer whose step is not wrapped; ``new``'s step gets the same wrapper (torch's private protocol,
+    checked on torch 2.13: ``step._wrapped_by_lr_sched`` and ``optimizer._opt_called``; where it differs,
+    the only effect is one spurious warning).
+    """
+    moved = False
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+            moved = True
+    if not moved or not hasattr(old.step, "_wrapped_by_lr_sched") or hasattr(new.step, "_wrapped_by_lr_sched"):
+        return
+    reference = weakref.ref(new)  # no cycle through the bound method, as in torch
+    step = type(new).step
+
+    @functools.wraps(step)
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer = reference()
+        assert optimizer is not None
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(optimizer, *args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    new.step = counted_step  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def rank_synchronised_scaler(
+    scaler: Optional[torch.amp.GradScaler], device: str, group: Optional[Any] = None
+) -> "ShardedGradScaler":
+    """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler is returned as is).
+
+    With gradients sharded, each rank checks only its own shard for inf/NaN. A plain GradScaler then lets one
+    rank skip ``optimizer.step()`` while the others step and broadcast their shards: ranks diverge or hang.
+    torch's ShardedGradScaler all-reduces the found-inf flag first, so all skip together (fairscale's own
+    scaler is CUDA-only and deprecated).
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    settings: Dict[str, Any] = {}
+    if scaler is not None and scaler.is_enabled():  # a disabled one (CUDA's on a CPU machine) has no settings
+        settings.update(
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+        )
+    return ShardedGradScaler(device=device, process_group=group if group is not None else dist.group.WORLD, **settings)
+
+
+def _clip_through_oss(plugin: Precision) -> None:
+    """Make ``plugin.clip_grad_by_norm`` clip OSS optimizers with ``OSS.clip_grad_norm`` (idempotent).
+
+    Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters; under
+    ShardedDataParallel each rank holds the gradients of its own shard only, so that norm is the shard's
+    (2.12 / 1.53 instead of 2.61) and ranks scale differently. ``OSS.clip_grad_norm`` all-reduces the norm.
+    An instance attribute shadows the method, so this works for every precision plugin class.
+    """
+    if "clip_grad_by_norm" in vars(plugin):
+        return
+    oss_class, _ = _fairscale()
+    clip_unsharded = plugin.clip_grad_by_norm
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(raw, oss_class):
+            cast("OSS", raw).clip_grad_norm(clip_val)
+        else:
+            clip_unsharded(optimizer, clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def require_every_rank(group: Any, timeout: timedelta) -> None:
+    """Return once every rank of the Gloo ``group`` has called this; raise a RuntimeError after ``timeout``.
+
+    Consolidating the sharded optimizer state is a collective, so a checkpoint saved on some ranks only
+    would hang. ``monitored_barrier`` turns that into an error naming the missing ranks. After a timeout
+    ``group`` is unusable (and the run is over anyway), so give it a group of its own.
+    """
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but not every rank"
+            f" is saving (waited {timeout}): {error}. Call trainer.save_checkpoint() on every rank (only rank 0"
+            " writes the file), not under `if trainer.is_global_zero:`; ModelCheckpoint does this already."
+        ) from error
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+class CustomDDPSharded(CustomDDP):
+    """CustomDDP that shards optimizer state and gradients with fairscale (OSS + ShardedDataParallel).
+
+    Each rank keeps the optimizer state, and after the backward pass the gradients, of its own share of the
+    parameters only: Adam's per-rank state halves on 2 ranks. Training is otherwise the same as CustomDDP's,
+    batch for batch (same samplers, same dealing, same results up to float rounding of clipping norms).
+
+    What it does, and why (each is a silent error in a straight port of Lightning 1.x's ``ddp_sharded``):
+
+    - optimizers from ``configure_optimizers`` are rebuilt as :class:`fairscale.optim.OSS` of the same class,
+      parameter groups and defaults (LR schedulers follow), partitioned largest-first for balanced shards;
+      an OSS you build yourself is used as it is;
+    - the model is wrapped in ``ShardedDataParallel`` by :meth:`configure_ddp` after the optimizers exist
+      (SDP needs them; Lightning 2.x builds optimizers after wrapping);
+    - every training step runs with the wrapper in train mode, and validation steps bypass the wrapper;
+    - gradient accumulation skips synchronisation with SDP's ``no_sync()`` (inherited from CustomDDP);
+    - reduce buckets are off (``reduce_buffer_size=0``): Lightning zeroes gradients with ``set_to_none``, which
+      detaches them from SDP's buckets and corrupts gradients from the second step; buckets also keep
+      unsharded gradient buffers on every rank;
+    - norm clipping goes through ``OSS.clip_grad_norm`` in every precision, and ``"16-mixed"`` uses torch's
+      ``ShardedGradScaler`` (found-inf agreed across ranks);
+    - checkpoints hold the optimizer state consolidated on rank 0, in the plain optimizer's format, so they
+      load into CustomDDP and back.
+
+    Saving a checkpoint gathers every rank's shard: ``trainer.save_checkpoint`` must run on every rank (it
+    writes from rank 0 only), as ModelCheckpoint does. Called on some ranks only (e.g. under
+    ``if trainer.is_global_zero:``), the gather would hang; instead the saving ranks raise a RuntimeError
+    after ``save_timeout``.
+
+    Args:
+        save_timeout: how long a rank saving a checkpoint waits for the others before raising.
+        **kwargs: everything :class:`~lightning_ddp_ext.CustomDDP` accepts, and ShardedDataParallel's
+            ``broadcast_buffers``, ``sync_models_at_startup``, ``auto_refresh_trainable``, ``reduce_fp16`` and
+            ``warn_on_trainable_params_changed``. torch DDP options (``find_unused_parameters``,
+            ``static_graph``, ``ddp_comm_hook``, ...) raise a ValueError.
+
+    Raises:
+        ImportError: fairscale is not installed.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_custom_sampler_sharded_spawn")
+        >>> type(trainer.strategy).__name__
+        'CustomDDPSharded'
+    """
+
+    strategy_name = "ddp_custom_sampler_sharded"
+    registry_entries: tuple[tuple[str, Dict[str, Any]], ...] = (
+        ("ddp_custom_sampler_sharded", {"start_method": "popen"}),
+        ("ddp_custom_sampler_sharded_spawn", {"start_method": "spawn"}),
+    )
+
+    def __init__(self, *, save_timeout: timedelta = timedelta(minutes=2), **kwargs: Any) -> None:
+        _fairscale()  # fail here, with the install hint, rather than at the first step
+        ddp_only = sorted(name for name in _DDP_ONLY_STRATEGY_ARGUMENTS if kwargs.get(name) is not None)
+        if ddp_only:
+            raise ValueError(
+                f"CustomDDPSharded does not take {', '.join(ddp_only)}: they configure torch's DistributedDataParallel,"
+                " and this strategy wraps the model in fairscale's ShardedDataParallel. Remove them, or use CustomDDP."
+            )
+        super().__init__(**kwargs)
+        accepted = _wrapper_options()
+        unknown = sorted(set(self.ddp_kwargs) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"CustomDDPSharded does not take {', '.join(unknown)}: ShardedDataParallel accepts only"
+                f" {', '.join(name for name in accepted if name != 'reduce_buffer_size')}. Remove the others"
+                " (find_unused_parameters, static_graph, ... are torch DistributedDataParallel options)."
+            )
+        if self.ddp_kwargs.get("reduce_buffer_size", 0) != 0:
+            raise ValueError(
+                "CustomDDPSharded runs ShardedDataParallel without reduce buckets: Lightning zeroes gradients with"
+                " set_to_none, which detaches them from the buckets and corrupts gradients from the second step,"
+                " and buckets keep unsharded gradient buffers on every rank. Remove reduce_buffer_size."
+            )
+        self.save_timeout = save_timeout
+        self._save_group: Optional[Any] = None
+        self._wrap_pending = False
+
+    # ------------------------------------------------------------------ process group
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
+        # leaves its group unusable, which must not be the group training runs on.
+        self._save_group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        plugin = self.precision_plugin
+        _clip_through_oss(plugin)
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+            scaler = rank_synchronised_scaler(plugin.scaler, plugin.device, self.data_parallel_group)
+            if scaler is not plugin.scaler:
+                rank_zero_info(f"{type(self).__name__}: gradient scaling with ShardedGradScaler (found-inf agreed).")
+                plugin.scaler = scaler
+        self.precision_plugin = plugin  # the getter builds a new Precision() when none was set
+        self._wrap_pending = False
+        super().setup(trainer)
+
+    @override
+    def _wrap_lightning_model(self) -> None:
+        # Lightning's setup asks for the wrapper before it builds the optimizers; ShardedDataParallel needs
+        # the OSS optimizers, so wrapping waits for `setup_optimizers`.
+        self._wrap_pending = True
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Build the user's optimizers, rebuild them as OSS, point their LR schedulers at them, then wrap the model."""
+        super().setup_optimizers(trainer)
+        sharded = [shard_optimizer(optimizer, self.data_parallel_group) for optimizer in self.optimizers]
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        for old, new in zip(self.optimizers, sharded):
+            if new is not old:
+                _point_schedulers_at(schedulers, old, new)
+        self.optimizers = sharded
+        if self._wrap_pending:
+            self._wrap_pending = False
+            super()._wrap_lightning_model()
+
+    @override
+    def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
+        """Wrap ``model`` in ShardedDataParallel over this strategy's OSS optimizers.
+
+        ``device_ids`` is unused: SDP works on the device the model is on. Override to change the wrapper's
+        options; ``self.optimizers`` are the OSS optimizers at this point.
+        """
+        oss_class, sharded_data_parallel = _fairscale()
+        optimizers = [optimizer for optimizer in self.optimizers if isinstance(optimizer, oss_class)]
+        if not optimizers:
+            raise RuntimeError(f"{type(self).__name__}.configure_ddp needs the OSS optimizers, but there are none.")
+        kwargs = {"reduce_buffer_size": 0, **self.ddp_kwargs}
+        return sharded_data_parallel(model, optimizers, process_group=self.data_parallel_group, **kwargs)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Lightning's validation loop calls `trainer.model.eval()`, the wrapper included, but restores the modes
+        # of the LightningModule's own modules only. In eval mode SDP drops its gradient hooks and stops
+        # reducing, silently. Only the wrapper's own flag is set: the LightningModule's modes are left as they are.
+        if self.model is not None and self.model is not self.lightning_module:
+            self.model.training = True
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``validation_step`` on the LightningModule itself, not through ShardedDataParallel.
+
+        SDP's forward broadcasts buffers from rank 0 at every call (a collective per step, which hangs with
+        ``eval_mode="exact"``, where ranks run different numbers of steps) and, in eval mode, tears down its
+        gradient hooks and re-buckets the parameters, under ``inference_mode`` on NCCL as inference tensors.
+        Evaluation needs none of SDP, as with torch's DDP under ``no_grad``.
+        """
+        assert self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state on rank 0 (``{}`` elsewhere), gathered from every rank's shard.
+
+        Lightning's own ``optimizer_state`` consolidates optimizers that have ``consolidate_state_dict``; this
+        first checks that every rank is saving, so a save on rank 0 alone raises instead of hanging.
+        """
+        oss_class, _ = _fairscale()
+        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(raw, oss_class) and self._save_group is not None:
+            require_every_rank(self._save_group, self.save_timeout)
+        return super().optimizer_state(optimizer)
