@@ -6,9 +6,16 @@ underscored Lightning name.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
+
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_ddp_ext._pickling import PICKLING_ERRORS, unpicklable_path
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,3 +89,82 @@ def inside_loop_steps(trainer: "pl.Trainer") -> bool:
     reached, and None before and after.
     """
     return trainer._logger_connector._first_loop_iter is not None
+
+
+class _LauncherNamingUnpicklable(_MultiProcessingLauncher):
+    """Lightning's spawn/forkserver launcher, whose pickling errors name the object that cannot be pickled.
+
+    The launcher pickles the trainer and the arguments of ``fit``/``validate``/... for every rank; pickle only
+    says ``cannot pickle '_thread.lock' object``. On such an error the arguments are searched for the
+    innermost object that fails; if one is found the error names it and says what to do, otherwise it is
+    raised unchanged. A launch that succeeds costs nothing more. (A class, not a patched method: the launcher
+    is pickled along with the trainer.)
+    """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except PICKLING_ERRORS as error:
+            named = dict(zip(inspect.signature(function).parameters, args), **kwargs)
+            culprit = next((path for key, value in named.items() if (path := unpicklable_path(value, key))), None)
+            if culprit is None:
+                raise
+            raise type(error)(
+                f"{culprit} cannot be pickled, which start_method={self._start_method!r} needs to send it to every"
+                f" rank: {error}. Make it picklable (create the lock, file or generator lazily, e.g. in __iter__),"
+                " or use strategy='ddp_custom_sampler' (start_method='popen'), which starts the ranks as scripts"
+                " and pickles nothing."
+            ) from error
+
+
+def name_unpicklable_objects_at_launch(strategy: "DDPStrategy") -> None:
+    """Swap the spawn/forkserver launcher ``DDPStrategy._configure_launcher`` made for one that names
+    unpicklable objects (:class:`_LauncherNamingUnpicklable`); fork and popen pickle nothing."""
+    launcher = strategy._launcher
+    if type(launcher) is _MultiProcessingLauncher and launcher._start_method != "fork":
+        strategy._launcher = _LauncherNamingUnpicklable(strategy, start_method=launcher._start_method)
+
+
+def kill_launched_ranks(strategy: "DDPStrategy") -> int:
+    """SIGKILL the ranks that Lightning's popen launcher started from this process; return how many were alive.
+
+    Only the process that launched (local rank 0) has any. Lightning's ``_SubprocessScriptLauncher`` kills
+    them on Ctrl+C only; when rank 0 fails otherwise, a rank that is not inside a collective (a deadlocked
+    DataLoader worker, a long step) would outlive it, orphaned.
+    """
+    launcher = strategy._launcher
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return 0
+    children = list(launcher.procs)
+    # Lightning's child-process observer thread watches this very list, and SIGKILLs this process too when it
+    # sees a child that died: emptied first, it lets this process report its own error.
+    launcher.procs.clear()
+    alive = [process for process in children if process.poll() is None]
+    for process in alive:
+        process.kill()
+    for process in alive:
+        process.wait()
+    return len(alive)
+
+
+def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
+    """``(epoch, batches already trained in it)`` when ``fit`` resumes from a mid-epoch checkpoint, else None.
+
+    Read from the restored loop progress while the train loader is being set up (``FitLoop.setup_data``,
+    before ``FitLoop.reset`` interprets it). An epoch that was started but not processed is mid-epoch; its
+    batches counted as processed ran their optimizer step before the checkpoint (a checkpoint written in
+    ``on_train_batch_end`` counts its own batch as processed but not yet completed).
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarting:
+        return None
+    epochs = fit_loop.epoch_progress.current
+    if not (epochs.started == epochs.ready and epochs.processed == epochs.started - 1):
+        return None
+    return epochs.processed, fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def epoch_for_samplers(trainer: "pl.Trainer") -> int:
+    """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch."""
+    return trainer.fit_loop.epoch_progress.current.processed

@@ -6,6 +6,7 @@ turned back into lists only when yielded.
 """
 from __future__ import annotations
 
+import operator
 from array import array
 from typing import Any, Iterator, List, Sequence
 
@@ -34,10 +35,10 @@ class CompactStore:
             elif type(item) is list:
                 self._flat.fromlist(item)  # the common case, and the fastest conversion
                 self._offsets.append(len(self._flat))
-            else:
-                self._flat.extend(int(i) for i in item)
+            else:  # operator.index, not int(): a float or a string is refused, never truncated or parsed
+                self._flat.extend(map(operator.index, item))
                 self._offsets.append(len(self._flat))
-        except (TypeError, OverflowError):
+        except (TypeError, ValueError, OverflowError):
             expected = "a sequence of integer indices" if self._batched else "an integer index"
             raise TypeError(f"{self._owner} yielded {item!r}; each item must be {expected}.") from None
 

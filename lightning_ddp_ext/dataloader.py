@@ -23,7 +23,12 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _resolve_world
+from lightning_ddp_ext.samplers import (
+    DistributedBatchSamplerWrapper,
+    DistributedSamplerWrapper,
+    _resolve_world,
+    _fewer_items_than_ranks,
+)
 
 __all__ = ["patch_dataloader_to_ddp", "is_sharded", "WRAPPER_OPTIONS"]
 
@@ -104,6 +109,11 @@ def patch_dataloader_to_ddp(
         )
     if not isinstance(loader, DataLoader):
         raise TypeError(f"patch_dataloader_to_ddp expects a torch DataLoader, got {type(loader).__name__}.")
+    if loader.dataset is None:
+        raise TypeError(
+            "patch_dataloader_to_ddp got a DataLoader with dataset=None: there is nothing to index, so no share can be"
+            " dealt to a rank. Pass the dataset to the DataLoader (DataLoader(dataset, batch_sampler=...))."
+        )
     if isinstance(loader.dataset, IterableDataset):
         _warn_once(
             f"patch_dataloader_to_ddp: {type(loader.dataset).__name__} is an IterableDataset; the loader is returned"
@@ -138,6 +148,8 @@ def patch_dataloader_to_ddp(
             SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)  # type: ignore[arg-type]
         )
     elif _is_default_sampler(sampler, dataset):
+        if not options.get("pad", True) and len(dataset) < world:
+            raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {len(dataset)} sample(s)", world)
         new_sampler = DistributedSampler(
             dataset,
             num_replicas=world,

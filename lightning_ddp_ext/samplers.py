@@ -65,6 +65,14 @@ def _resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str)
     return num_replicas, rank
 
 
+def _fewer_items_than_ranks(what: str, world: int) -> ValueError:
+    """The error for ``pad=False`` with fewer items than ranks; ``what`` says what has how many items."""
+    return ValueError(
+        f"{what}, fewer than the {world} ranks, and pad=False drops the incomplete round: every rank would get"
+        " nothing. Use pad=True, fewer ranks, or more data."
+    )
+
+
 class _DealingWrapper(Sampler[T], Generic[T]):
     """Everything both wrappers share; subclasses only say whether items are batches or indices."""
 
@@ -100,6 +108,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
+        self._resume: Optional[tuple[int, int]] = None
         #: When True, every item yielded in the current epoch is kept in :attr:`yielded` (for evaluation).
         self.record_yielded = False
         self.yielded: List[T] = []
@@ -126,11 +135,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         if self.pad:
             return -(-length // world) * world
         if length < world:
-            raise ValueError(
-                f"{self._source_name} yields {length} item(s) per epoch, fewer than the {world} ranks, and pad=False"
-                " drops the incomplete round: every rank would get nothing and the others would wait for it"
-                " forever. Use pad=True, fewer ranks, or more data."
-            )
+            raise _fewer_items_than_ranks(f"{self._source_name} yields {length} item(s) per epoch", world)
         return length // world * world
 
     def __len__(self) -> int:
@@ -172,10 +177,25 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         return self._epoch_digest
 
     # ------------------------------------------------------------------ iteration
+    def resume_within_epoch(self, epoch: int, done: int) -> None:
+        """Make the next iteration, if it is of ``epoch``, skip this rank's first ``done`` items.
+
+        For a restart from a mid-epoch checkpoint: those items were trained before it was written. The user's
+        sampler is still iterated whole (the sequence, and so every rank's share, stays the same); only the
+        yield of the first ``done`` items is skipped. Applies once; ``len()`` is unchanged.
+        """
+        if not 0 <= done <= len(self):
+            raise ValueError(f"done must be in [0, {len(self)}] (this rank's items per epoch), got {done}.")
+        self._resume = (epoch, done)
+
     def __iter__(self) -> Iterator[T]:
         # The work is done per block by generators that yield lists; chain.from_iterable walks each list in C,
         # so an item costs no Python frame at all (the floor is the user's sampler, at about 1 us a batch).
-        return chain.from_iterable(self._own_blocks())
+        items = chain.from_iterable(self._own_blocks())
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] == self.epoch and resume[1] > 0:
+            return islice(items, resume[1], None)
+        return items
 
     def _own_blocks(self) -> Iterator[Iterable[T]]:
         """This rank's items of the epoch, as consecutive lists."""

@@ -43,6 +43,14 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _dealt_source(loader: DataLoader) -> tuple[str, int]:
+    """``(name, length)`` of what a sharded loader deals out: the user's sampler, or the dataset."""
+    wrapper = _wrapper_of(loader)
+    if wrapper is not None:
+        return type(wrapper.source).__name__, len(wrapper.source)  # type: ignore[arg-type]
+    return type(loader.dataset).__name__, len(loader.dataset)  # type: ignore[arg-type]
+
+
 def _wrapper_of(loader: DataLoader) -> Optional[_Wrapper]:
     for candidate in (loader.batch_sampler, loader.sampler):
         if isinstance(candidate, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)):
@@ -117,6 +125,7 @@ class CustomDDP(DDPStrategy):
         self._said_no_replacement = False
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
+        self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
 
     # ------------------------------------------------------------------ process group
     @override
@@ -254,24 +263,70 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not isinstance(dataloader, DataLoader) or trainer is None or not self._replace_samplers:
+        if trainer is None or not self._replace_samplers:
             return dataloader
         stage = trainer.state.stage
         if stage == RunningStage.PREDICTING:
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
+        if not isinstance(dataloader, DataLoader):
+            self._warn_unsharded(dataloader, stage)
+            return dataloader
         options = self.sampler_options
-        evaluating = stage != RunningStage.TRAINING
-        if evaluating:
+        training = stage == RunningStage.TRAINING
+        if not training:
             options.update(shuffle=False, even_shares=self.eval_mode == "pad")
         patched = patch_dataloader_to_ddp(dataloader, **self.distributed_sampler_kwargs, **options)
+        if patched is dataloader:  # an IterableDataset, or a loader the user sharded already
+            return patched
         wrapper = _wrapper_of(patched)
-        if wrapper is not None and evaluating:
+        if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
-        if wrapper is not None and self.check_sampler_consistency:
-            length = len(wrapper.source)  # type: ignore[arg-type]
-            verify_same_sequence(SequenceDigest(type(wrapper.source).__name__, -1, length, 0, 0))
-            self._watch("train" if stage == RunningStage.TRAINING else "eval", wrapper)
+        if self.check_sampler_consistency:
+            # Every rank must deal the same number of items, or the ranks step different numbers of times.
+            source, length = _dealt_source(patched)
+            verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
+            if wrapper is not None:
+                self._watch("train" if training else "eval", wrapper)
+        if training:
+            self._prepare_first_epoch(patched, trainer)
         return patched
+
+    def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> None:
+        """Set the epoch now, and the resume position after a mid-epoch checkpoint.
+
+        Lightning creates the training iterator before its loop calls ``set_epoch``: with ``num_workers > 0``
+        that iterator draws its first indices at once, so a resumed fit would train its first epoch on the
+        sequence of epoch 0. After a mid-epoch checkpoint, Lightning runs only the batches left in the epoch
+        but restarts a plain DataLoader at the epoch's start; the wrapper skips the batches already trained
+        instead, so the resumed run sees exactly the batches an uninterrupted one would.
+        """
+        sharded = _wrapper_of(loader) or loader.sampler
+        epoch = _compat.epoch_for_samplers(trainer)
+        if isinstance(sharded, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper, DistributedSampler)):
+            if sharded.epoch != epoch:
+                sharded.set_epoch(epoch)
+        resume = _compat.mid_epoch_resume(trainer)
+        if resume is not None and isinstance(sharded, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)):
+            resumed_epoch, done = resume
+            items_done = done * (loader.batch_size or 1) if isinstance(sharded, DistributedSamplerWrapper) else done
+            if 0 < items_done < len(sharded):
+                sharded.resume_within_epoch(resumed_epoch, items_done)
+                rank_zero_info(
+                    f"{type(self).__name__}: resuming mid-epoch, {type(sharded.source).__name__} skips the {done}"
+                    f" batch(es) of epoch {resumed_epoch} trained before the checkpoint (so Lightning's warning that"
+                    " the dataloader is not resumable does not apply to it)."
+                )
+
+    def _warn_unsharded(self, dataloader: object, stage: Optional[RunningStage]) -> None:
+        kind = type(dataloader).__name__
+        if (stage, kind) in self._warned_unsharded:
+            return
+        self._warned_unsharded.add((stage, kind))
+        rank_zero_warn(
+            f"{type(self).__name__}: the {stage.value if stage else ''} loader {kind} is not a torch DataLoader, so it"
+            " cannot be sharded: every rank iterates all of it. Wrap the data in a torch.utils.data.DataLoader, or"
+            " shard it yourself (read torch.distributed.get_rank() in its __iter__)."
+        )
 
     def _watch(self, key: str, wrapper: _Wrapper) -> None:
         watched = self._watched.setdefault(key, [])
@@ -412,7 +467,20 @@ class CustomDDP(DDPStrategy):
             )
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        _compat.name_unpicklable_objects_at_launch(self)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
+        """Rewrite cryptic DDP errors into advice; on the launching rank, end the ranks it started.
+
+        Lightning's popen launcher ends the other ranks when a child fails, but not when the launching rank
+        does: a rank stuck outside any collective would then run on, orphaned. They are killed here instead.
+        """
+        killed = _compat.kill_launched_ranks(self)
+        if killed:
+            log.error(f"{type(self).__name__}: rank {self.global_rank} failed; ended the {killed} rank(s) it launched.")
         message = str(exception)
         if "Expected to have finished reduction in the prior iteration" in message:
             exception.args = (

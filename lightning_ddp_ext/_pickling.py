@@ -1,0 +1,74 @@
+"""Name the object that cannot be pickled, for launchers that pickle what they send to the ranks.
+
+``spawn`` and ``forkserver`` pickle the trainer, the model and the dataloaders for every rank. When one
+object deep inside (a lock held by a batch sampler, a lambda as ``collate_fn``) cannot be pickled, pickle
+only says ``cannot pickle '_thread.lock' object``; :func:`unpicklable_path` walks down to it instead.
+Only called after pickling failed, so a successful launch costs nothing. No Lightning import here.
+"""
+from __future__ import annotations
+
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Iterator, List, Optional, Tuple
+
+__all__ = ["unpicklable_path", "PICKLING_ERRORS"]
+
+#: What pickling raises for an object it cannot handle.
+PICKLING_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
+
+_MAX_DEPTH = 8
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        ForkingPickler.dumps(obj)  # what multiprocessing itself uses
+    except Exception:  # noqa: BLE001 - any failure means "not this way"
+        return False
+    return True
+
+
+def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
+    """``(how to reach it, part)`` for what pickling ``obj`` pickles in turn."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"[{key!r}]", value
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for index, value in enumerate(obj):
+            yield f"[{index}]", value
+    else:
+        try:
+            attributes = vars(obj)
+        except TypeError:
+            return
+        for name, value in attributes.items():
+            yield f".{name}", value
+
+
+def unpicklable_path(root: Any, name: str) -> Optional[str]:
+    """Describe the innermost part of ``root`` that cannot be pickled, or None when ``root`` pickles.
+
+    Example:
+        >>> import threading
+        >>> class Sampler:
+        ...     def __init__(self):
+        ...         self.lock = threading.Lock()
+        >>> unpicklable_path({"sampler": Sampler()}, "loaders")
+        "loaders (dict) -> ['sampler'] (Sampler) -> .lock (lock)"
+        >>> unpicklable_path([1, 2], "numbers") is None
+        True
+    """
+    if _pickles(root):
+        return None
+    chain: List[str] = [f"{name} ({type(root).__name__})"]
+    current = root
+    seen = {id(root)}
+    for _ in range(_MAX_DEPTH):
+        culprit = next(
+            ((step, part) for step, part in _parts(current) if id(part) not in seen and not _pickles(part)), None
+        )
+        if culprit is None:
+            break
+        step, current = culprit
+        seen.add(id(current))
+        chain.append(f"{step} ({type(current).__name__})")
+    return " -> ".join(chain)

@@ -1,0 +1,391 @@
+"""The bad-input catalogue (docs/bad_input.md): each case ends in a clear error or a documented behaviour.
+
+Cases the sampler layer decides are checked in this process for every rank at once (explicit
+``num_replicas``/``rank``, no processes). Cases only a real run can show (lengths that differ per rank,
+pickling for spawn, loaders Lightning hands over as they are) run a Trainer on 2 spawned CPU ranks, with a
+small process-group timeout, a bounded wait and a check that no process outlives the test.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+from reliability_common import (  # noqa: E402
+    IndexDataset,
+    WeightRecorder,
+    assert_no_new_descendants,
+    children_baseline,
+    free_port,
+    strategy,
+    trainer_kwargs,
+)
+
+from lightning_ddp_ext import (  # noqa: E402
+    DistributedBatchSamplerWrapper,
+    DistributedSamplerWrapper,
+    patch_dataloader_to_ddp,
+)
+from lightning_ddp_ext.samplers import LengthMismatchError  # noqa: E402
+
+WORLD = 2
+RUN_TIMEOUT_S = 240  # per Trainer test: startup of 2 ranks on a busy 2-core machine plus the 20 s PG timeout
+
+
+# ------------------------------------------------------------------------------------------------ samplers
+class NoLength:
+    """A batch sampler without __len__."""
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter([[0, 1], [2, 3]])
+
+
+class Batches:
+    """Yields ``items`` each epoch; ``len()`` returns ``length`` (which may lie)."""
+
+    def __init__(self, items: List[Any], length: int | None = None) -> None:
+        self.items, self.length = items, len(items) if length is None else length
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class OneShot:
+    """A sized iterator that is its own iterator: exhausted after the first epoch."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self._it = n, iter([[i] for i in range(n)])
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return self._it
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def shares(make: Any, world: int = WORLD) -> List[Any]:
+    """Every rank's outcome for one epoch: its list of items, or (items yielded before the error, the error)."""
+    outcomes: List[Any] = []
+    for rank in range(world):
+        got: List[Any] = []
+        try:
+            for item in make(rank):
+                got.append(item)
+        except Exception as error:  # noqa: BLE001 - the outcome is what we check
+            outcomes.append((got, error))
+        else:
+            outcomes.append(got)
+    return outcomes
+
+
+# --------------------------------------------------------------------- the sampler-layer cases, no processes
+@pytest.mark.parametrize("source", [NoLength(), ([i] for i in range(4))], ids=["class-without-len", "generator"])
+def test_batch_sampler_without_len_is_refused_at_construction(source: Any) -> None:
+    loader = DataLoader(range(4), batch_sampler=source)
+    with pytest.raises(TypeError, match=r"needs an iterable with __len__, got (NoLength|generator).*Add a __len__"):
+        patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0)
+
+
+def test_one_shot_generator_as_index_sampler_is_refused_at_construction() -> None:
+    loader = DataLoader(range(6), batch_size=2, sampler=(i for i in range(6)))
+    with pytest.raises(TypeError, match="DistributedSamplerWrapper needs an iterable with __len__, got generator"):
+        patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0)
+
+
+def test_sized_one_shot_iterator_fails_in_its_second_epoch_on_every_rank() -> None:
+    for rank in range(WORLD):
+        wrapper = DistributedBatchSamplerWrapper(OneShot(6), num_replicas=WORLD, rank=rank)
+        assert list(wrapper) == [[rank], [rank + 2], [rank + 4]]
+        wrapper.set_epoch(1)
+        message = r"OneShot.__len__\(\) returned 6 but iterating it produced 0 item\(s\) in epoch 1"
+        with pytest.raises(LengthMismatchError, match=message):
+            list(wrapper)
+
+
+@pytest.mark.parametrize("declared,actual", [(9, 6), (4, 6)], ids=["overstated", "understated"])
+@pytest.mark.parametrize(
+    "options", [{}, {"shuffle": True, "shuffle_window": 2}, {"shuffle": True}], ids=["in-order", "window", "full"]
+)
+@pytest.mark.parametrize("world", [2, 3])
+def test_wrong_len_raises_with_both_numbers_after_equal_counts_on_every_rank(
+    declared: int, actual: int, options: dict, world: int
+) -> None:
+    items = [[i] for i in range(actual)]
+    outcomes = shares(
+        lambda rank: DistributedBatchSamplerWrapper(Batches(items, declared), num_replicas=world, rank=rank, **options),
+        world=world,
+    )
+    counts = set()
+    for outcome in outcomes:
+        assert isinstance(outcome, tuple), f"a rank finished without an error: {outcome}"
+        yielded, error = outcome
+        counts.add(len(yielded))
+        assert isinstance(error, LengthMismatchError)
+        assert f"__len__() returned {declared} but iterating it produced {actual}" in str(error)
+    assert len(counts) == 1, f"ranks yielded different numbers of batches before failing: {counts}"
+
+
+@pytest.mark.parametrize("wrapper", [DistributedBatchSamplerWrapper, DistributedSamplerWrapper])
+def test_empty_sampler_is_refused_at_construction(wrapper: type) -> None:
+    with pytest.raises(ValueError, match=r"Batches is empty \(len\(\) == 0\)"):
+        wrapper(Batches([]), num_replicas=WORLD, rank=0)
+
+
+BAD_BATCHES = [[0.5, 1], "ab", 3, None, [[0, 1]]]  # floats, a string, a bare index, None, nested lists
+BAD_INDICES = [[1, 2], 1.0, "3", None]
+MODES = [{}, {"shuffle": True, "shuffle_window": 1}, {"shuffle": True}]
+MODE_IDS = ["in-order", "window", "full"]
+
+
+def _bad_item_cases() -> List[Any]:
+    cases = []
+    for wrapper, items in ((DistributedBatchSamplerWrapper, BAD_BATCHES), (DistributedSamplerWrapper, BAD_INDICES)):
+        for item in items:
+            for options, mode in zip(MODES, MODE_IDS):
+                case_id = f"{wrapper.__name__}-{item!r}-{mode}"
+                cases.append(pytest.param(wrapper, item, options, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize("wrapper,item,options", _bad_item_cases())
+def test_items_that_are_not_indices_raise_naming_the_sampler_and_the_item(
+    wrapper: type, item: Any, options: dict
+) -> None:
+    """A bad item among the first 64 of the epoch is refused on every rank, after the same number of items."""
+    good = [0, 1] if wrapper is DistributedBatchSamplerWrapper else 0
+    expected = "a sequence of integer indices" if wrapper is DistributedBatchSamplerWrapper else "an integer index"
+    for position in (0, 5, 63):
+        source = Batches([good] * position + [item] + [good] * 5)
+        counts = set()
+        for rank in range(WORLD):
+            produced: List[Any] = []
+            message = rf"Batches yielded {re.escape(repr(item))}.*each item must be {expected}"
+            with pytest.raises(TypeError, match=message):
+                produced.extend(wrapper(source, num_replicas=WORLD, rank=rank, **options))
+            counts.add(len(produced))
+        assert len(counts) == 1, f"ranks yielded different numbers of items before the error: {counts}"
+
+
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_items_past_the_first_64_are_checked_on_a_sample_and_never_altered(options: dict) -> None:
+    """Documented limit: past the first 64 items only a sample is validated (full shuffle: every item this rank
+    keeps). An unchecked bad item reaches the dataset unchanged, exactly as on one process; it is never altered."""
+    for position in range(64, 200, 7):
+        batches: List[Any] = [[i] for i in range(200)]
+        batches[position] = [0.5]
+        try:
+            yielded = [b for r in range(WORLD) for b in DistributedBatchSamplerWrapper(
+                Batches(batches), num_replicas=WORLD, rank=r, **options)]
+        except TypeError as error:
+            assert "Batches yielded [0.5]" in str(error)
+        else:
+            assert [0.5] in yielded
+
+
+def test_full_shuffle_never_truncates_float_indices() -> None:
+    """Full shuffle stores this rank's share as integers: a tuple of floats past the sampled positions is refused
+    there (int() would truncate 70.9 to 70, silently); in-order and windowed modes pass it on unchanged."""
+    batches: List[Any] = [[i] for i in range(200)]
+    batches[70] = (70.9,)
+    try:
+        yielded = [b for r in range(WORLD) for b in DistributedBatchSamplerWrapper(
+            Batches(batches), num_replicas=WORLD, rank=r, shuffle=True)]
+    except TypeError as error:
+        assert "Batches yielded (70.9,)" in str(error)
+    else:
+        assert [70] not in yielded, "70.9 was silently truncated to 70"
+
+
+@pytest.mark.parametrize(
+    "num_replicas,rank,message",
+    [
+        (2, 2, r"rank must be an integer in \[0, 1\], got 2"),
+        (2, -1, r"rank must be an integer in \[0, 1\], got -1"),
+        (0, 0, r"num_replicas must be an integer >= 1, got 0"),
+        (2, True, r"rank must be an integer in \[0, 1\], got True"),
+        (2.0, 0, r"num_replicas must be an integer >= 1, got 2.0"),
+    ],
+)
+def test_rank_and_world_size_out_of_range(num_replicas: Any, rank: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DistributedBatchSamplerWrapper(Batches([[0]]), num_replicas=num_replicas, rank=rank)
+    with pytest.raises(ValueError, match=message):
+        patch_dataloader_to_ddp(DataLoader(range(4), batch_size=2), num_replicas=num_replicas, rank=rank)
+
+
+def test_no_process_group_and_no_world_is_a_clear_error_for_wrappers() -> None:
+    with pytest.raises(RuntimeError, match="needs num_replicas and rank: pass them explicitly, or initialise"):
+        DistributedBatchSamplerWrapper(Batches([[0]]))
+
+
+@pytest.mark.parametrize("wrapper", [DistributedBatchSamplerWrapper, DistributedSamplerWrapper])
+def test_pad_false_with_fewer_items_than_ranks_is_refused(wrapper: type) -> None:
+    item = [0] if wrapper is DistributedBatchSamplerWrapper else 0
+    with pytest.raises(ValueError, match=r"yields 1 item\(s\) per epoch, fewer than the 2 ranks, and pad=False"):
+        wrapper(Batches([item]), num_replicas=2, rank=0, pad=False)
+    assert [list(wrapper(Batches([item]), num_replicas=2, rank=r)) for r in range(2)] == [[item], [item]]  # pad=True
+
+
+def test_pad_false_with_more_ranks_than_samples_is_refused_for_default_samplers_too() -> None:
+    """torch's DistributedSampler(drop_last=True) would give every rank 0 samples: Lightning warns, trains nothing."""
+    loader = DataLoader(range(1), batch_size=1)
+    with pytest.raises(ValueError, match="fewer than the 2 ranks"):
+        patch_dataloader_to_ddp(loader, num_replicas=2, rank=0, pad=False)
+
+
+class _StreamThatShardsItself(IterableDataset):
+    """An iterable dataset (it does not actually shard itself: a loader CustomDDP must hand over unchanged)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return ((torch.tensor([float(i)]), i) for i in range(6))
+
+
+def test_iterable_dataset_loader_is_returned_unchanged_with_a_warning() -> None:
+    loader = DataLoader(_StreamThatShardsItself(), batch_size=2)
+    message = "_StreamThatShardsItself is an IterableDataset; the loader is returned unchanged"
+    with pytest.warns(UserWarning, match=message):
+        assert patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0) is loader
+
+
+def test_loader_without_a_dataset_is_refused_by_name() -> None:
+    for loader in (DataLoader(None, batch_sampler=[[0, 1]]), DataLoader(None, batch_size=2)):
+        with pytest.raises(TypeError, match=r"dataset=None"):
+            patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0)
+
+
+# ------------------------------------------------------------------------------------ real Trainer runs
+class Unpicklable:
+    """A batch sampler holding a lock: spawn cannot pickle it for the ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter([[0, 1], [2, 3]])
+
+    def __len__(self) -> int:
+        return 2
+
+
+class LengthByRank:
+    """len() and iteration depend on the rank: 6 batches on rank 0, 7 on rank 1 (e.g. data read per rank)."""
+
+    def _count(self) -> int:
+        return 6 + torch.distributed.get_rank()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter([[i] for i in range(self._count())])
+
+    def __len__(self) -> int:
+        return self._count()
+
+
+class DataByRank(WeightRecorder):
+    """A LightningModule whose train_dataloader() sizes its dataset by rank (default sampler: 6 vs 7 batches)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexDataset(24 + 4 * self.global_rank), batch_size=2)
+
+
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Loopback rendezvous on a fresh port; fails the test if a process of the job outlives it."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    before = children_baseline()
+    yield
+    assert_no_new_descendants(before)
+
+
+def spawn_trainer(**options: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy("spawn", **options), **trainer_kwargs(max_epochs=1))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_unpicklable_sampler_under_spawn_fails_before_any_rank_starts_naming_the_object(
+    tmp_path: Path, job: None
+) -> None:
+    loader = DataLoader(IndexDataset(4), batch_sampler=Unpicklable())
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object") as raised:
+        spawn_trainer().fit(WeightRecorder(str(tmp_path)), loader)
+    message = str(raised.value)
+    assert "train_dataloaders (DataLoader) -> .batch_sampler (Unpicklable) -> .lock (lock)" in message, message
+    assert "strategy='ddp_custom_sampler'" in message, message
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_samplers_reporting_different_lengths_per_rank_fail_before_training(tmp_path: Path, job: None) -> None:
+    loader = DataLoader(IndexDataset(8), batch_sampler=LengthByRank())
+    with pytest.raises(Exception, match=r"LengthByRank does not produce the same sequence on every rank: len\(\) is 6"
+                       r" on rank 0 but 7 on rank 1"):
+        spawn_trainer().fit(WeightRecorder(str(tmp_path)), loader)
+    assert not list(tmp_path.glob("rank*.json")), "training went on"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_module_returning_loaders_of_different_lengths_per_rank_fails_clearly(tmp_path: Path, job: None) -> None:
+    """Default samplers (DistributedSampler) too: without the check, 6 vs 7 steps end in a gloo error."""
+    with pytest.raises(Exception) as raised:
+        spawn_trainer().fit(DataByRank(str(tmp_path)))
+    message = str(raised.value)
+    assert re.search(r"len\(\) is \d+ on rank 0 but \d+ on rank 1", message), message[-2000:]
+
+
+class HandRolledLoader:
+    """A loader without a dataset: any sized iterable of batches (Lightning accepts it as a train loader)."""
+
+    batch_sampler = None  # only for the Recorder's end-of-fit report
+
+    def __iter__(self) -> Iterator[Any]:
+        return ((torch.tensor([[float(i)]]), torch.tensor([i])) for i in range(6))
+
+    def __len__(self) -> int:
+        return 6
+
+
+@pytest.fixture(scope="module")
+def unsharded_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One fit whose train loaders CustomDDP hands over unchanged: a hand-rolled loader and an iterable dataset."""
+    out = tmp_path_factory.mktemp("unsharded")
+    loaders = {"handrolled": HandRolledLoader(), "stream": DataLoader(_StreamThatShardsItself(), batch_size=1)}
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    before = children_baseline()
+    try:
+        trainer = pl.Trainer(strategy=strategy("spawn"), **trainer_kwargs(max_epochs=1))
+        trainer.fit(WeightRecorder(str(out)), train_dataloaders=loaders)
+    finally:
+        monkeypatch.undo()
+        assert_no_new_descendants(before)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_loaders_that_cannot_be_sharded_are_iterated_whole_on_every_rank(unsharded_run: dict) -> None:
+    """Documented: CustomDDP shards torch DataLoaders over map-style datasets only; these run whole on every rank."""
+    for rank in range(WORLD):
+        seen = unsharded_run[rank]["seen"]
+        assert [b for _, b in seen["train/handrolled"]] == [[i] for i in range(6)]
+        assert [b for _, b in seen["train/stream"]] == [[i] for i in range(6)]
+    warned = unsharded_run[0]["facts"]["warnings"]
+    assert any("_StreamThatShardsItself is an IterableDataset" in w for w in warned), warned
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_a_loader_that_is_not_a_dataloader_is_warned_about(unsharded_run: dict) -> None:
+    warned = unsharded_run[0]["facts"]["warnings"]
+    assert any("HandRolledLoader" in w and "every rank" in w for w in warned), warned

@@ -1,0 +1,305 @@
+"""Reliability with real processes: faults, resume, and two "nodes" on one machine.
+
+* Faults: a rank that raises, or is SIGKILLed, mid-epoch ends the whole job with an error (the original one
+  visible) instead of a hang, for the spawn launcher (inside pytest) and the popen launcher (a script).
+* Resume: an end-of-epoch checkpoint resumes exactly; a mid-epoch one replays what Lightning replays.
+* Multi-node: 2 nodes x 1 process through torchrun and through plain environment variables, on 127.0.0.1.
+
+Every run uses a 20 s process-group timeout, a fresh port, a bounded wait, and ends with a check that none of
+its processes is left (popen jobs run in their own session; spawn ranks are children of this process).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+from reliability_common import (  # noqa: E402
+    INJECTED_MESSAGE,
+    PG_TIMEOUT_S,
+    STARTUP_SLACK_S,
+    FaultyRecorder,
+    PKBatches,
+    assert_no_new_descendants,
+    children_baseline,
+    command_line,
+    free_port,
+    job_env,
+    kill_session,
+    labels_for,
+    pk_loader,
+    read_json,
+    session_members,
+    strategy,
+    trainer_kwargs,
+    wait_until,
+)
+
+from lightning_ddp_ext import DistributedBatchSamplerWrapper  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "scripts"
+WORLD = 2
+JOB_TIMEOUT_S = PG_TIMEOUT_S + STARTUP_SLACK_S  # bounded wait for one job; the test fails past it
+TEST_TIMEOUT_S = 2 * JOB_TIMEOUT_S  # pytest-timeout, per test: the job, the orphan check, the clean-up
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def start_job(command: Sequence[str], out: Path, env: Dict[str, str], name: str = "job") -> subprocess.Popen:
+    """Start a job in its own session (so that every process it starts can be found and killed)."""
+    with open(out / f"{name}.log", "wb") as sink:
+        return subprocess.Popen(
+            list(command), stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=str(out), start_new_session=True
+        )
+
+
+def finish_jobs(
+    jobs: Dict[str, subprocess.Popen], out: Path, grace_s: float = PG_TIMEOUT_S + 30
+) -> Dict[str, Tuple[int, str]]:
+    """Wait (bounded) for every job and for every process of its session; kill whatever is left in any case.
+
+    Returns each job's exit status and log. Fails the test when a job outlives ``JOB_TIMEOUT_S`` or leaves a
+    process behind for longer than ``grace_s`` after its first process exited.
+    """
+    try:
+        for name, job in jobs.items():
+            try:
+                job.wait(timeout=JOB_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} did not finish within {JOB_TIMEOUT_S}s:\n{tail(out / f'{name}.log')}")
+        for name, job in jobs.items():
+            if not wait_until(lambda: not session_members(job.pid), grace_s):
+                left = {pid: command_line(pid)[:100] for pid in session_members(job.pid)}
+                pytest.fail(f"{name} left processes behind: {left}\n{tail(out / f'{name}.log')}")
+    finally:
+        for job in jobs.values():
+            kill_session(job.pid)
+            job.wait(timeout=30)
+    return {name: (job.returncode, (out / f"{name}.log").read_text(errors="replace")) for name, job in jobs.items()}
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+def batches_by_epoch(report: Dict[str, Any], key: str = "train/only") -> Dict[int, List[List[int]]]:
+    by_epoch: Dict[int, List[List[int]]] = {}
+    for epoch, indices in report["seen"][key]:
+        by_epoch.setdefault(epoch, []).append(indices)
+    return by_epoch
+
+
+def expected_shares(size: int, sampler_seed: int, epoch: int, shuffle_seed: int) -> List[List[List[int]]]:
+    """What each rank must train on in ``epoch``: the user's sequence dealt out, computed in this process."""
+    shares = []
+    for rank in range(WORLD):
+        wrapper = DistributedBatchSamplerWrapper(
+            PKBatches(labels_for(size), p=2, k=4, seed=sampler_seed), num_replicas=WORLD, rank=rank,
+            shuffle=True, seed=shuffle_seed,
+        )
+        wrapper.set_epoch(epoch)
+        shares.append([list(b) for b in wrapper])
+    return shares
+
+
+def assert_partition(shares: List[List[List[int]]], size: int, sampler_seed: int, epoch: int) -> None:
+    """The ranks' batches together are exactly the user's sequence for the epoch (here no padding: 2 | len)."""
+    user = PKBatches(labels_for(size), p=2, k=4, seed=sampler_seed)
+    user.set_epoch(epoch)
+    sequence = sorted(tuple(b) for b in user)
+    assert sorted(tuple(b) for share in shares for b in share) == sequence, f"epoch {epoch}: not a partition"
+    assert len({len(share) for share in shares}) == 1, "ranks ran different numbers of steps"
+
+
+def distinct(epochs: List[int]) -> List[int]:
+    """Epochs in the order first set (a strategy may set an epoch early, before Lightning's loop sets it too)."""
+    return list(dict.fromkeys(epochs))
+
+
+def load_weights(run_dir: Path, rank: int) -> Dict[str, torch.Tensor]:
+    return torch.load(run_dir / f"weights_rank{rank}.pt", weights_only=True)
+
+
+def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs: max |diff| {(a[key] - b[key]).abs().max().item():.3g}"
+
+
+@pytest.fixture
+def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Loopback rendezvous on a fresh port for spawned ranks; fails if a rank outlives the test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    before = children_baseline()
+    yield
+    assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)
+
+
+# ------------------------------------------------------------------------------------------------ faults
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("fault,fault_rank", [("raise", 1), ("sigkill", 0)])
+def test_spawn_a_failing_rank_ends_the_whole_job(fault: str, fault_rank: int, tmp_path: Path, spawn_job: None) -> None:
+    trainer = pl.Trainer(strategy=strategy("spawn"), **trainer_kwargs(max_epochs=3))
+    model = FaultyRecorder(str(tmp_path), fault=fault, fault_rank=fault_rank, fault_step=2)
+    with pytest.raises(Exception) as raised:
+        trainer.fit(model, pk_loader(size=96))
+    assert (tmp_path / f"rank{fault_rank}.fault").exists(), "the fault was never reached"
+    message = str(raised.value)
+    if fault == "raise":
+        assert f"{INJECTED_MESSAGE} on rank {fault_rank} at step 2" in message, message[-2000:]
+    else:  # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
+        assert "SIGKILL" in message or "Connection" in message, message[-2000:]
+    assert not list(tmp_path.glob("rank*.json")), "a rank finished training"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("fault,fault_rank", [("raise", 1), ("sigkill", 0)])
+def test_popen_a_failing_rank_ends_the_whole_job(fault: str, fault_rank: int, tmp_path: Path) -> None:
+    """strategy="ddp_custom_sampler": rank 0 is the script, rank 1 the launcher's re-run of it.
+
+    Killing rank 0 also kills Lightning's child-process observer, so rank 1 must end by itself: the gloo
+    connection to its dead peer breaks, or the process-group timeout expires.
+    """
+    command = [sys.executable, str(SCRIPTS / "reliability_fault.py"), str(tmp_path), fault, str(fault_rank), "2"]
+    (code, log), = finish_jobs({"job": start_job(command, tmp_path, job_env())}, tmp_path).values()
+    assert code != 0, log[-3000:]
+    assert (tmp_path / f"rank{fault_rank}.fault").exists(), log[-3000:]
+    if fault == "raise":
+        assert f"{INJECTED_MESSAGE} on rank {fault_rank} at step 2" in log, log[-3000:]
+    else:
+        survivor = tmp_path / f"rank{1 - fault_rank}.error"
+        assert survivor.exists(), f"the surviving rank did not fail by itself:\n{log[-3000:]}"
+        assert "RuntimeError" in survivor.read_text(), survivor.read_text()[-2000:]
+    assert not list(tmp_path.glob("rank*.json")), "a rank finished training"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_popen_rank0_failing_ends_a_rank_stuck_outside_collectives(tmp_path: Path) -> None:
+    """Rank 1 hangs outside any collective (as a rank does whose DataLoader worker deadlocked at fork); rank 0
+    fails at the process-group timeout. Lightning's popen launcher kills the other ranks only when a *child*
+    fails (or on Ctrl+C); CustomDDP.on_exception ends it, or it would run on, orphaned, forever."""
+    command = [sys.executable, str(SCRIPTS / "reliability_fault.py"), str(tmp_path), "hang", "1", "2"]
+    (code, log), = finish_jobs({"job": start_job(command, tmp_path, job_env())}, tmp_path, grace_s=10).values()
+    assert code != 0, log[-3000:]
+    assert (tmp_path / "rank1.fault").exists() and (tmp_path / "rank0.error").exists(), log[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+RESUME_SIZE, RESUME_SAMPLER_SEED, RESUME_SHUFFLE_SEED = 96, 1, 11  # as in scripts/reliability_resume.py
+STEPS_PER_EPOCH, MID_EPOCH_DONE = 6, 2  # 12 batches over 2 ranks; the step-8 checkpoint is 2 steps into epoch 1
+
+
+def run_resume_script(out: Path, workers: int) -> Dict[str, Any]:
+    command = [sys.executable, str(SCRIPTS / "reliability_resume.py"), str(out), str(workers)]
+    (code, log), = finish_jobs({"job": start_job(command, out, job_env())}, out).values()
+    assert code == 0, log[-4000:]
+    runs = ("two_epochs", "resumed", "uninterrupted", "resumed_mid_epoch")
+    return {
+        run: {
+            "reports": [read_json(out / run / f"rank{r}.json") for r in range(WORLD)],
+            "weights": [load_weights(out / run, r) for r in range(WORLD)],
+        }
+        for run in runs
+    }
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    return run_resume_script(tmp_path_factory.mktemp("resume"), workers=0)
+
+
+@pytest.fixture(scope="module")
+def resume_runs_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    return run_resume_script(tmp_path_factory.mktemp("resume_workers"), workers=1)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(resume_runs: Dict[str, Any]) -> None:
+    resumed, uninterrupted = resume_runs["resumed"], resume_runs["uninterrupted"]
+    expected = expected_shares(RESUME_SIZE, RESUME_SAMPLER_SEED, 2, RESUME_SHUFFLE_SEED)
+    for rank in range(WORLD):
+        theirs, ours = batches_by_epoch(uninterrupted["reports"][rank]), batches_by_epoch(resumed["reports"][rank])
+        assert list(ours) == [2], "the resumed fit must run epoch 2 (the third) only"
+        assert ours[2] == theirs[2] == expected[rank]
+        assert distinct(resumed["reports"][rank]["facts"]["epochs_set"]["only"]) == [2]  # from Lightning's loop
+        assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
+    for epoch in range(3):
+        assert_partition([batches_by_epoch(uninterrupted["reports"][r])[epoch] for r in range(WORLD)],
+                         RESUME_SIZE, RESUME_SAMPLER_SEED, epoch)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_mid_epoch_resume_continues_where_the_checkpoint_was_taken(resume_runs: Dict[str, Any]) -> None:
+    """Lightning 2.x resumes a mid-epoch checkpoint by running the steps left in the epoch, but restarts a torch
+    DataLoader (not resumable) at the epoch's start: batches 0-1 would train twice and 4-5 never. CustomDDP
+    skips the batches trained before the checkpoint, so the resumed run equals the uninterrupted one."""
+    resumed, uninterrupted = resume_runs["resumed_mid_epoch"], resume_runs["uninterrupted"]
+    for rank in range(WORLD):
+        theirs, ours = batches_by_epoch(uninterrupted["reports"][rank]), batches_by_epoch(resumed["reports"][rank])
+        assert sorted(ours) == [1, 2]
+        assert ours[1] == theirs[1][MID_EPOCH_DONE:], "batches 0-1 of the epoch trained twice, 4-5 never"
+        assert ours[2] == theirs[2]
+        assert distinct(resumed["reports"][rank]["facts"]["epochs_set"]["only"]) == [1, 2]
+        assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
+    said = resumed["reports"][0]["facts"]["info"]
+    assert any("skips the 2 batch(es) of epoch 1 trained before the checkpoint" in line for line in said), said
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_resume_with_loader_workers_trains_the_resumed_epoch(resume_runs_with_workers: Dict[str, Any]) -> None:
+    """Lightning creates the training iterator before it calls set_epoch; with num_workers > 0 the iterator
+    draws its first indices at once, so the first resumed epoch would replay epoch 0 (Lightning issue #21938);
+    CustomDDP sets the epoch while it shards the loader, before the iterator exists."""
+    resumed, uninterrupted = resume_runs_with_workers["resumed"], resume_runs_with_workers["uninterrupted"]
+    for rank in range(WORLD):
+        ours = batches_by_epoch(resumed["reports"][rank])[2]
+        theirs = batches_by_epoch(uninterrupted["reports"][rank])
+        assert ours != theirs[0], "the resumed epoch 2 replayed epoch 0's batches"
+        assert ours == theirs[2]
+        assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
+
+
+# ------------------------------------------------------------------------------------------------ multi-node
+def node_commands(how: str, out: Path, port: int) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
+    script = str(SCRIPTS / "reliability_multinode.py")
+    commands = {}
+    for node in range(2):
+        if how == "torchrun":
+            torchrun = str(Path(sys.executable).with_name("torchrun"))
+            command = [torchrun, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+                       "--master_addr=127.0.0.1", f"--master_port={port}", script, str(out)]
+            env = job_env(port)
+        else:
+            command = [sys.executable, script, str(out)]
+            env = job_env(port, NODE_RANK=str(node), WORLD_SIZE="2")
+        commands[f"node{node}"] = (command, env)
+    return commands
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("how,environment", [("torchrun", "TorchElasticEnvironment"), ("env", "LightningEnvironment")])
+def test_two_nodes_on_one_machine_partition_the_data(how: str, environment: str, tmp_path: Path) -> None:
+    jobs = {
+        name: start_job(command, tmp_path, env, name)
+        for name, (command, env) in node_commands(how, tmp_path, free_port()).items()
+    }
+    results = finish_jobs(jobs, tmp_path)
+    for name, (code, log) in results.items():
+        assert code == 0, f"{name}:\n{log[-4000:]}"
+    reports = [read_json(tmp_path / f"rank{r}.json") for r in range(WORLD)]
+    for rank, report in enumerate(reports):
+        facts = report["facts"]
+        assert (facts["global_rank"], facts["node_rank"], facts["world_size"]) == (rank, rank, WORLD)
+        assert facts["cluster_environment"] == environment
+    for epoch in range(2):
+        shares = [batches_by_epoch(reports[r])[epoch] for r in range(WORLD)]
+        assert shares == expected_shares(64, 1, epoch, 0)
+        assert_partition(shares, 64, 1, epoch)
+    assert_same_weights(load_weights(tmp_path, 0), load_weights(tmp_path, 1))  # one model across the nodes
