@@ -159,12 +159,14 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     fit_loop = trainer.fit_loop
     if not fit_loop.restarting:
         return None
-    epochs = fit_loop.epoch_progress.current
+    epochs: Any = fit_loop.epoch_progress.current  # a _ProcessedTracker, typed as its base class
     if not (epochs.started == epochs.ready and epochs.processed == epochs.started - 1):
         return None
-    return epochs.processed, fit_loop.epoch_loop.batch_progress.current.processed
+    batches: Any = fit_loop.epoch_loop.batch_progress.current
+    return int(epochs.processed), int(batches.processed)
 
 
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch."""
-    return trainer.fit_loop.epoch_progress.current.processed
+    epochs: Any = trainer.fit_loop.epoch_progress.current
+    return int(epochs.processed)

@@ -148,8 +148,9 @@ def patch_dataloader_to_ddp(
             SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)  # type: ignore[arg-type]
         )
     elif _is_default_sampler(sampler, dataset):
-        if not options.get("pad", True) and len(dataset) < world:
-            raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {len(dataset)} sample(s)", world)
+        size = len(dataset)  # type: ignore[arg-type]
+        if not options.get("pad", True) and size < world:
+            raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {size} sample(s)", world)
         new_sampler = DistributedSampler(
             dataset,
             num_replicas=world,

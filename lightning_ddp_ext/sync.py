@@ -122,13 +122,15 @@ def gather_in_order(
             equality, as ``torch.equal`` / ``==``), or, with ``dataset_size``, an index is missing or out of range.
     """
     index = _as_index_tensor(indices)
-    is_tensor = isinstance(values, torch.Tensor)
-    if is_tensor and values.dim() == 0:
-        raise ValueError("gather_in_order needs values with a sample dimension, got a 0-dim tensor")
-    count = values.shape[0] if is_tensor else len(values)
-    if count != index.numel():
-        raise ValueError(f"gather_in_order got {count} values but {index.numel()} indices")
-    local = {"values": values if is_tensor else list(values), "indices": index}
+    if isinstance(values, torch.Tensor):
+        if values.dim() == 0:
+            raise ValueError("gather_in_order needs values with a sample dimension, got a 0-dim tensor")
+        local_values: Union[torch.Tensor, List[Any]] = values
+    else:
+        local_values = list(values)
+    if len(local_values) != index.numel():
+        raise ValueError(f"gather_in_order got {len(local_values)} values but {index.numel()} indices")
+    local = {"values": local_values, "indices": index}
     gathered = sync_dicts(local, group=group)
     return _dedupe_in_order(gathered["values"], gathered["indices"].cpu(), dataset_size)
 

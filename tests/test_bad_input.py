@@ -300,23 +300,13 @@ class DataByRank(WeightRecorder):
         return DataLoader(IndexDataset(24 + 4 * self.global_rank), batch_size=2)
 
 
-@pytest.fixture
-def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Loopback rendezvous on a fresh port; fails the test if a process of the job outlives it."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    before = children_baseline()
-    yield
-    assert_no_new_descendants(before)
-
-
 def spawn_trainer(**options: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy("spawn", **options), **trainer_kwargs(max_epochs=1))
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_unpicklable_sampler_under_spawn_fails_before_any_rank_starts_naming_the_object(
-    tmp_path: Path, job: None
+    tmp_path: Path, spawn_job: None
 ) -> None:
     loader = DataLoader(IndexDataset(4), batch_sampler=Unpicklable())
     with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object") as raised:
@@ -327,7 +317,7 @@ def test_unpicklable_sampler_under_spawn_fails_before_any_rank_starts_naming_the
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_samplers_reporting_different_lengths_per_rank_fail_before_training(tmp_path: Path, job: None) -> None:
+def test_samplers_reporting_different_lengths_per_rank_fail_before_training(tmp_path: Path, spawn_job: None) -> None:
     loader = DataLoader(IndexDataset(8), batch_sampler=LengthByRank())
     with pytest.raises(Exception, match=r"LengthByRank does not produce the same sequence on every rank: len\(\) is 6"
                        r" on rank 0 but 7 on rank 1"):
@@ -336,7 +326,7 @@ def test_samplers_reporting_different_lengths_per_rank_fail_before_training(tmp_
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_module_returning_loaders_of_different_lengths_per_rank_fails_clearly(tmp_path: Path, job: None) -> None:
+def test_module_returning_loaders_of_different_lengths_per_rank_fails_clearly(tmp_path: Path, spawn_job: None) -> None:
     """Default samplers (DistributedSampler) too: without the check, 6 vs 7 steps end in a gloo error."""
     with pytest.raises(Exception) as raised:
         spawn_trainer().fit(DataByRank(str(tmp_path)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import lightning.pytorch as pl
 import pytest
@@ -27,8 +27,6 @@ from reliability_common import (  # noqa: E402
     STARTUP_SLACK_S,
     FaultyRecorder,
     PKBatches,
-    assert_no_new_descendants,
-    children_baseline,
     command_line,
     free_port,
     job_env,
@@ -130,16 +128,6 @@ def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs: max |diff| {(a[key] - b[key]).abs().max().item():.3g}"
-
-
-@pytest.fixture
-def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Loopback rendezvous on a fresh port for spawned ranks; fails if a rank outlives the test."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    before = children_baseline()
-    yield
-    assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)
 
 
 # ------------------------------------------------------------------------------------------------ faults
