@@ -73,6 +73,7 @@ def worker(rank: int, rendezvous: str) -> None:
     assert torch.allclose(everything, expected), "gathered outputs differ from a single-process pass"
     if rank == 0:
         print(f"{len(train_loader)} batches per rank of {len(loader)}; gathered {tuple(everything.shape)} outputs")
+    dist.barrier()  # every rank is done with the group before any rank tears it down
     dist.destroy_process_group()
 
 
