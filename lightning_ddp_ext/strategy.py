@@ -35,6 +35,7 @@ __all__ = ["CustomDDP", "process_group_backend_for"]
 log = logging.getLogger(__name__)
 
 _Wrapper = Union[DistributedBatchSamplerWrapper, DistributedSamplerWrapper]
+_WRAPPER_TYPES = (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -65,7 +66,7 @@ def _dealt_source(loader: DataLoader) -> tuple[str, int]:
 
 def _wrapper_of(loader: DataLoader) -> Optional[_Wrapper]:
     for candidate in (loader.batch_sampler, loader.sampler):
-        if isinstance(candidate, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)):
+        if isinstance(candidate, _WRAPPER_TYPES):
             return candidate
     return None
 
@@ -313,19 +314,19 @@ class CustomDDP(DDPStrategy):
         but restarts a plain DataLoader at the epoch's start; the wrapper skips the batches already trained
         instead, so the resumed run sees exactly the batches an uninterrupted one would.
         """
-        sharded = _wrapper_of(loader) or loader.sampler
+        wrapper = _wrapper_of(loader)
+        sampler = wrapper if wrapper is not None else loader.sampler
         epoch = _compat.epoch_for_samplers(trainer)
-        if isinstance(sharded, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper, DistributedSampler)):
-            if sharded.epoch != epoch:
-                sharded.set_epoch(epoch)
+        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
+            sampler.set_epoch(epoch)
         resume = _compat.mid_epoch_resume(trainer)
-        if resume is not None and isinstance(sharded, (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)):
+        if resume is not None and wrapper is not None:
             resumed_epoch, done = resume
-            items_done = done * (loader.batch_size or 1) if isinstance(sharded, DistributedSamplerWrapper) else done
-            if 0 < items_done < len(sharded):
-                sharded.resume_within_epoch(resumed_epoch, items_done)
+            items_done = done * (loader.batch_size or 1) if isinstance(wrapper, DistributedSamplerWrapper) else done
+            if 0 < items_done < len(wrapper):
+                wrapper.resume_within_epoch(resumed_epoch, items_done)
                 rank_zero_info(
-                    f"{type(self).__name__}: resuming mid-epoch, {type(sharded.source).__name__} skips the {done}"
+                    f"{type(self).__name__}: resuming mid-epoch, {type(wrapper.source).__name__} skips the {done}"
                     f" batch(es) of epoch {resumed_epoch} trained before the checkpoint (so Lightning's warning that"
                     " the dataloader is not resumable does not apply to it)."
                 )
