@@ -73,7 +73,9 @@ def worker(rank: int, rendezvous: str) -> None:
     assert torch.allclose(everything, expected), "gathered outputs differ from a single-process pass"
     if rank == 0:
         print(f"{len(train_loader)} batches per rank of {len(loader)}; gathered {tuple(everything.shape)} outputs")
-    dist.barrier()  # every rank is done with the group before any rank tears it down
+    # Free the DDP wrapper before the group it holds: a wrapper freed after destroy_process_group (here, when
+    # this function returns) can hang in its destructor.
+    del model
     dist.destroy_process_group()
 
 
