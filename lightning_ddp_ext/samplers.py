@@ -19,8 +19,8 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 from __future__ import annotations
 
 from itertools import chain, compress, count, islice
-from operator import itemgetter
-from typing import Any, Generic, Iterable, Iterator, List, Optional, Sequence, TypeVar
+from operator import itemgetter, length_hint
+from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -28,18 +28,22 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lightning_ddp_ext._store import CompactStore
-from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest, sampled_positions
+from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
 __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "LengthMismatchError"]
 
 T = TypeVar("T")
 
-# Rounds (of W items) read at once when streaming: large enough that per-block work vanishes per item.
-_BLOCK_ROUNDS = 16
+# Most items of its own a rank holds in one block of windows. A held item's memory stays in the core's
+# caches only while few are alive at once: holding about a hundred batches costs a few percent over
+# freeing each at once, holding a thousand nearly doubles the epoch (measured in benchmarks/sampler_overhead.py).
+_WINDOW_BLOCK_ITEMS = 128
 # Rounds the unshuffled path deals in C between two Python steps (each hashes one round for the digest).
 _CHUNK_ROUNDS = 256
 # Leading items the unshuffled path reads in Python (the digest hashes the first items in full).
 _HEAD_ITEMS = 64
+# Positions the whole-epoch shuffle reads per block: a few Python steps per block, and one digest sample.
+_READ_BLOCK = 1024
 # Windows whose permutations are drawn in one call grow 1, 2, 4, ... up to this many elements, so that the
 # first batch costs one tiny draw whatever the epoch's length.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
@@ -211,7 +215,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         elif self.shuffle_window is None:
             blocks = self._full_shuffle_blocks(length, total, digest, generator)
         else:
-            window = self.num_replicas * (self.shuffle_window or 1)
+            window = self.num_replicas * self.shuffle_window
             blocks = self._window_blocks(length, total, window, digest, generator)
         for block in blocks:
             if self.record_yielded:
@@ -283,45 +287,49 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         total: int,
         window: int,
         digest: RunningDigest,
-        generator: Optional[torch.Generator],
+        generator: torch.Generator,
     ) -> Iterator[Iterable[T]]:
-        """Read whole windows, optionally permute each, and keep every W-th item.
+        """Permute consecutive windows of the sequence and keep this rank's items of each, streaming.
 
-        Items are read in blocks of 1, 2, 4, ... windows (up to about ``_BLOCK_ROUNDS`` rounds), so the
-        first item comes after one window while the per-item cost stays that of slicing a list. A block is
-        only dealt once it was read completely, so every rank yields the same number of items even when the
-        sampler runs out early; the length is checked before the last block.
+        A window's permutation is drawn before the window is read, so the rank knows which of its positions
+        it takes: ``itertools.compress`` keeps those in C and frees the other ranks' items at once. A rank
+        thus holds only its own items of one block of windows (at most about ``_WINDOW_BLOCK_ITEMS``), which
+        keeps them in the core's caches. Each block also keeps its last position, on every rank: a sampler
+        that runs out early is then caught in the same block everywhere, before any rank yields from it, so
+        all ranks yield the same number of items. The first ``_HEAD_ITEMS`` positions are kept everywhere
+        too: the digest hashes them in full, and padding repeats them.
         """
-        world, rank = self.num_replicas, self.rank
-        iterator = iter(self.source)
+        items = iter(self.source)
         pad_count = total - length
-        head: List[Any] = []  # the first items, kept to pad the last round
-        permutations = _window_permutations(total, window, world, rank, generator) if generator else None
-        windows_per_block, most_windows = 1, max(1, _BLOCK_ROUNDS * world // window)
-        start = 0
-        while start < total:
-            size = min(window * windows_per_block, total - start)
-            real = max(0, min(size, length - start))
-            block = list(islice(iterator, real))
-            if len(block) < real:
-                raise self._mismatch(length, start + len(block))
-            digest.update(block, start)
-            if len(head) < pad_count:
-                head.extend(block[: pad_count - len(head)])
-            if start + size >= total:  # last block: the sampler must end exactly at `length`
-                remaining = sum(1 for _ in iterator)
-                if start + real + remaining != length:
-                    raise self._mismatch(length, start + real + remaining)
-                block.extend(head[(position - length) % len(head)] for position in range(start + real, start + size))
-            if start == 0:
-                self._head_digest = digest.snapshot()
-            if permutations is None:
-                yield block[rank::world]
-            else:
-                for offset in range(0, size, window):
-                    yield list(map(block.__getitem__, [offset + p for p in next(permutations)]))
-            start += size
-            windows_per_block = min(2 * windows_per_block, most_windows)
+        head_end = max(_HEAD_ITEMS, pad_count)  # leading positions every rank keeps: digest head, padding
+        head: List[Any] = []
+        per_window = window // self.num_replicas
+        windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
+        plans = _window_plans(length, total, window, windows_per_block, head_end, self.num_replicas, self.rank, generator)
+        for plan in plans:
+            for block in plan.blocks:
+                selectors = iter(plan.mask[block.mask_start : block.mask_end])
+                picked = list(compress(islice(items, block.read), selectors))
+                if len(picked) != block.kept:  # compress steps `selectors` once per item read: what is left was not
+                    raise self._mismatch(length, block.start + block.read - length_hint(selectors))
+                if block.head:
+                    digest.update(picked[: block.head], block.start)
+                    head.extend(picked[: block.head])
+                if block.head < block.read:
+                    digest.include(picked[-1:], block.start + block.read - 1)
+                if block.start == 0:
+                    self._head_digest = digest.snapshot()
+                if block.last:
+                    remaining = sum(1 for _ in items)
+                    if block.start + block.read + remaining != length:
+                        raise self._mismatch(length, block.start + block.read + remaining)
+                    digest.update((), length)
+                    picked.extend(head[:pad_count])
+                positions = plan.order[block.order_start : block.order_end]
+                if len(positions) > 1:
+                    yield itemgetter(*positions)(picked)
+                elif positions:
+                    yield (picked[positions[0]],)
 
     def _full_shuffle_blocks(
         self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
@@ -329,8 +337,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly.
 
         The permutation depends only on ``seed + epoch`` and the length, so a rank knows before reading which
-        positions it needs; ``itertools.compress`` then picks them (and the digest's sample positions) out of
-        the sampler's stream in C, and only those are stored.
+        positions it needs. The sampler's stream is read in blocks of ``_READ_BLOCK`` positions:
+        ``itertools.compress`` picks this rank's items in C (with the digest's head and each block's last
+        item, which every rank keeps, as in the windowed shuffle), and the store converts a block at a time.
         """
         world, rank = self.num_replicas, self.rank
         own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
@@ -339,47 +348,123 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         needed_sources, slot_of_position = np.unique(own_sources, return_inverse=True)
         needed = np.zeros(length, dtype=np.bool_)
         needed[needed_sources] = True
-        sampled = np.zeros(length, dtype=np.bool_)
-        sampled[sampled_positions(0, length)] = True
-        selected = needed | sampled
-        selected_positions = np.flatnonzero(selected).tolist()
-        keep_flags = needed[selected].tolist()
-        sample_flags = sampled[selected].tolist()
-        counter = count()
-        counted = map(itemgetter(0), zip(self.source, counter))  # counts what the sampler yields, in C
+        block_starts = np.arange(0, length, _READ_BLOCK)
+        block_ends = np.minimum(block_starts + _READ_BLOCK, length)
+        selected = needed.copy()
+        selected[:_HEAD_ITEMS] = True
+        selected[block_ends - 1] = True
+        mask = selected.tobytes()
+        stored = needed[selected].tobytes()  # for each selected item: whether the store keeps it
+        selected_before = np.concatenate(([0], np.cumsum(selected)))[np.append(block_starts, length)].tolist()
+        items = iter(self.source)
         store = CompactStore(batched=self._batched, owner=self._source_name)
-        for k, item in enumerate(compress(counted, selected.tobytes())):
-            if keep_flags[k]:
-                store.append(item)
-            if sample_flags[k]:
-                digest.update((item,), selected_positions[k])
-        produced = next(counter) + sum(1 for _ in counted)
-        if produced != length:
-            raise self._mismatch(length, produced)
+        for k, (start, end) in enumerate(zip(block_starts.tolist(), block_ends.tolist())):
+            selectors = iter(mask[start:end])
+            picked = list(compress(islice(items, end - start), selectors))
+            if len(picked) != selected_before[k + 1] - selected_before[k]:
+                raise self._mismatch(length, end - length_hint(selectors))
+            if start < _HEAD_ITEMS:
+                digest.update(picked[: min(end, _HEAD_ITEMS) - start], start)
+            if end > _HEAD_ITEMS:
+                digest.include(picked[-1:], end - 1)
+            store.extend(compress(picked, stored[selected_before[k] : selected_before[k + 1]]))
+        remaining = sum(1 for _ in items)
+        if remaining:
+            raise self._mismatch(length, length + remaining)
         digest.update((), length)
         self._head_digest = digest.snapshot()
-        yield from store.blocks_in_order(slot_of_position.reshape(-1).tolist())  # type: ignore[misc]
+        yield from store.blocks_in_order(slot_of_position.reshape(-1))  # type: ignore[misc]
 
 
-def _window_permutations(
-    total: int, window: int, world: int, rank: int, generator: torch.Generator
-) -> Iterator[List[int]]:
-    """Yield, window by window, the positions this rank takes from each permuted window.
+class _WindowBlock(NamedTuple):
+    """One block of whole windows, as ``_DealingWrapper._window_blocks`` reads it."""
 
-    Permutations are drawn in growing batches of windows (argsort of uniform keys), so the first costs
-    little; every rank draws the same numbers in the same order, whatever its rank.
+    start: int  # first position of the block in the (padded) sequence
+    read: int  # items to read from the sampler (positions past its length are padding, never read)
+    kept: int  # items ``compress`` keeps: this rank's, the block's last, and the head
+    head: int  # leading items of the block that lie in the epoch's head (kept on every rank)
+    mask_start: int  # the block's span in ``_WindowPlan.mask``
+    mask_end: int
+    order_start: int  # the block's span in ``_WindowPlan.order``
+    order_end: int
+    last: bool = False  # the epoch's last block
+
+
+class _WindowPlan(NamedTuple):
+    """Consecutive windows whose permutations were drawn in one call."""
+
+    mask: bytes  # one byte per sampler position read in the plan: 1 where ``compress`` keeps the item
+    order: List[int]  # this rank's items in yield order, as indices into each block's kept items
+    blocks: List[_WindowBlock]
+
+
+def _window_plans(
+    length: int,
+    total: int,
+    window: int,
+    windows_per_block: int,
+    head_end: int,
+    world: int,
+    rank: int,
+    generator: torch.Generator,
+) -> Iterator[_WindowPlan]:
+    """Plan the windowed shuffle: which positions this rank keeps, and in what order it yields them.
+
+    Windows are drawn in plans of 1, 2, 4, ... windows (argsort of uniform keys; the first plan is one
+    tiny draw, whatever the epoch's length), up to ``_MAX_PERMUTATION_ELEMENTS`` positions, and all index
+    arithmetic of a plan is done in numpy, so the Python work per block stays a few calls. Every rank
+    draws the same numbers in the same order; only the positions it keeps differ.
     """
-    full_windows, last = divmod(total, window)
-    batch = 1
-    done = 0
-    while done < full_windows:
-        count = min(batch, full_windows - done)
-        keys = torch.rand((count, window), generator=generator)
-        yield from keys.argsort(dim=1)[:, rank::world].tolist()
-        done += count
-        batch = min(batch * 2, max(1, _MAX_PERMUTATION_ELEMENTS // window))
-    if last:
-        yield torch.randperm(last, generator=generator)[rank::world].tolist()
+    full_windows, last_window = divmod(total, window)
+    windows = full_windows + (1 if last_window else 0)
+    per_window = window // world
+    plan_windows = 1
+    first = 0  # first window of the plan
+    while first < windows:
+        count_full = min(plan_windows, full_windows - first) if first < full_windows else 0
+        parts = []
+        if count_full:
+            keys = torch.rand((count_full, window), generator=generator).numpy()
+            ranked = keys.argsort(axis=1)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
+            parts.append(ranked.reshape(-1))
+        end_window = first + count_full
+        if end_window == full_windows and last_window:  # the epoch's last, partial window joins this plan
+            parts.append(torch.randperm(last_window, generator=generator)[rank::world].numpy() + count_full * window)
+            end_window += 1
+        start = first * window
+        end = min(end_window * window, total)
+        own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
+        read_end = min(end, length) - start  # positions from `length` on are padding: never read
+        keep = np.zeros(read_end, dtype=np.bool_)
+        keep[own[own < read_end]] = True
+        block_starts = np.arange(0, end - start, windows_per_block * window)
+        block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
+        keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
+        keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
+        kept_before = np.concatenate(([0], np.cumsum(keep)))  # kept_before[p]: kept positions before p
+        block_of = (np.arange(len(own)) // per_window) // windows_per_block
+        kept = kept_before[block_read_ends] - kept_before[block_starts]
+        padded = own + start >= length
+        index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
+        if padded.any():  # the head is appended after the last block's kept items
+            index[padded] = kept[-1] + (own[padded] + start - length) % length
+        order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
+        heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
+        blocks = [
+            _WindowBlock(start + block_start, read_stop - block_start, kept_count, head, block_start, read_stop, *order)
+            for block_start, read_stop, kept_count, head, order in zip(
+                block_starts.tolist(),
+                block_read_ends.tolist(),
+                kept.tolist(),
+                heads.tolist(),
+                zip(order_bounds, order_bounds[1:]),
+            )
+        ]
+        if end == total:
+            blocks[-1] = blocks[-1]._replace(last=True)
+        yield _WindowPlan(keep.tobytes(), index.tolist(), blocks)
+        first = end_window
+        plan_windows = min(plan_windows * 2, max(1, _MAX_PERMUTATION_ELEMENTS // window))
 
 
 class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
