@@ -23,8 +23,12 @@ batches per epoch (default 1e4, 1e5, 1e6) and W ranks (default 2 and 8) it compa
 For each it measures:
 
 * epoch seconds: create the iterator and drain this rank's whole share (``collections.deque(it,
-  maxlen=0)``, so the consumer adds next to nothing); the minimum over a few interleaved rounds, a
-  fresh wrapper each time (construction is not timed; ``set_epoch`` is called as a training loop would).
+  maxlen=0)``, so the consumer adds next to nothing); the minimum over a few rounds, a fresh wrapper
+  each time (construction is not timed; ``set_epoch`` is called as a training loop would).
+* x floor: every timed run is paired with a run of the floor right beside it (alternately before and
+  after), and the ratio is the median over rounds of run / its floor run. The host's speed drifts by
+  tens of percent over minutes, much more than within one pair, so a ratio of two minima taken minutes
+  apart would mostly measure that drift.
   The clock is this process's CPU time (``time.process_time``): in training each rank has its own core,
   and CPU time barely moves when other processes compete for the machine, where wall time can double.
   ``--wall`` times with ``time.perf_counter`` instead.
@@ -56,6 +60,7 @@ import argparse
 import gc
 import os
 import platform
+import statistics
 import sys
 import time
 import tracemalloc
@@ -180,6 +185,7 @@ BY_KEY = {contender.key: contender for contender in CONTENDERS}
 @dataclass
 class Result:
     epoch_s: float
+    ratio: float  # epoch time / floor's: median over rounds of each run against the floor run beside it
     first_batch_s: float
     peak_bytes: int
     memory_cell: Tuple[int, int]  # the (B, W) whose tracemalloc pass gave peak_bytes (see Contender.memory_pass)
@@ -263,18 +269,34 @@ def measure_cell(
     """All measurements for one (B, W): interleaved timing rounds, first-batch samples, memory passes."""
     epoch_times: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
     first_times: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
+    ratios: Dict[str, List[float]] = {c.key: [] for c in CONTENDERS}
+    floor = CONTENDERS[0]
+
+    def timed(contender: Contender, round_index: int) -> float:
+        sampler = contender.make(user, world, 0)
+        epoch_s, first_s = time_epoch(sampler, round_index, clock)
+        del sampler
+        gc.collect()
+        epoch_times[contender.key].append(epoch_s)
+        first_times[contender.key].append(first_s)
+        progress(f"round {round_index + 1}/{rounds}  {contender.label:<38} epoch {epoch_s:8.3f} s")
+        return epoch_s
+
     for round_index in range(rounds):
-        for contender in CONTENDERS:
+        for contender in CONTENDERS[1:]:
             times = epoch_times[contender.key]
             if times and min(times) > EXPENSIVE_EPOCH_S:
                 continue
-            sampler = contender.make(user, world, 0)
-            epoch_s, first_s = time_epoch(sampler, round_index, clock)
-            del sampler
-            gc.collect()
-            times.append(epoch_s)
-            first_times[contender.key].append(first_s)
-            progress(f"round {round_index + 1}/{rounds}  {contender.label:<38} epoch {epoch_s:8.3f} s")
+            # Each run is paired with a floor run right beside it (before it in even rounds, after it in odd
+            # ones): this machine's speed drifts by tens of percent over minutes, far more than within a pair.
+            if round_index % 2 == 0:
+                floor_s = timed(floor, round_index)
+                epoch_s = timed(contender, round_index)
+            else:
+                epoch_s = timed(contender, round_index)
+                floor_s = timed(floor, round_index)
+            ratios[contender.key].append(epoch_s / floor_s)
+    ratios[floor.key] = [1.0]
 
     for contender in CONTENDERS:
         if min(first_times[contender.key]) < FIRST_BATCH_BUDGET_S:
@@ -297,6 +319,7 @@ def measure_cell(
         peak_bytes, memory_cell = memory_cache[memory_key]
         results[contender.key] = Result(
             epoch_s=min(epoch_times[contender.key]),
+            ratio=statistics.median(ratios[contender.key]),
             first_batch_s=min(first_times[contender.key]),
             peak_bytes=peak_bytes,
             memory_cell=memory_cell,
@@ -332,7 +355,6 @@ def size_label(value: int) -> str:
 
 
 def format_table(results: Results, num_batches: int, world: int) -> str:
-    floor = results[(num_batches, world, "floor")].epoch_s
     header = f"{'contender':<38} {'epoch s':>9} {'x floor':>8} {'1st batch ms':>13} {'peak extra MB':>14}"
     lines = [f"B={size_label(num_batches)} batches of {BATCH_SIZE}, W={world} (rank 0)", header, "-" * len(header)]
     borrowed = []
@@ -343,7 +365,7 @@ def format_table(results: Results, num_batches: int, world: int) -> str:
             borrowed.append(f"{contender.key} from B={size_label(result.memory_cell[0])} W={result.memory_cell[1]}")
             note = "*"
         lines.append(
-            f"{contender.label:<38} {result.epoch_s:9.3f} {result.epoch_s / floor:7.2f}x"
+            f"{contender.label:<38} {result.epoch_s:9.3f} {result.ratio:7.2f}x"
             f" {result.first_batch_s * 1e3:13.3f} {result.peak_bytes / MB:13.2f}{note}"
         )
     if borrowed:
@@ -374,7 +396,7 @@ def check_targets(results: Results, sizes: Sequence[int], worlds: Sequence[int])
         label = BY_KEY[key].label
         for world in worlds:
             for num_batches in sizes:
-                ratio = get(num_batches, world, key).epoch_s / get(num_batches, world, "floor").epoch_s
+                ratio = get(num_batches, world, key).ratio
                 where = f"(B={size_label(num_batches)}, W={world})"
                 checks.append(Check(ratio <= 1.05, f"{label}: epoch <= 1.05x floor  {where}: {ratio:.3f}x"))
             if small != large:
@@ -395,7 +417,7 @@ def check_targets(results: Results, sizes: Sequence[int], worlds: Sequence[int])
     label = BY_KEY["full"].label
     for world in worlds:
         for num_batches in sizes:
-            ratio = get(num_batches, world, "full").epoch_s / get(num_batches, world, "floor").epoch_s
+            ratio = get(num_batches, world, "full").ratio
             where = f"(B={size_label(num_batches)}, W={world})"
             checks.append(Check(ratio <= 1.5, f"{label}: epoch <= 1.5x floor  {where}: {ratio:.3f}x"))
         ours = get(large, world, "full").peak_bytes
@@ -425,7 +447,7 @@ def plot_ratios(results: Results, sizes: Sequence[int], worlds: Sequence[int], p
     width = 0.8 / len(contenders)
     figure, axes = plt.subplots(figsize=(max(6.0, 1.6 * len(cells)), 4.5))
     for index, contender in enumerate(contenders):
-        ratios = [results[(b, w, contender.key)].epoch_s / results[(b, w, "floor")].epoch_s for b, w in cells]
+        ratios = [results[(b, w, contender.key)].ratio for b, w in cells]
         axes.bar([i + index * width for i in range(len(cells))], ratios, width, label=contender.label)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.axhline(1.05, color="green", linestyle="--", linewidth=0.8, label="target 1.05x (off, windowed)")

@@ -48,7 +48,10 @@ class SequenceDigest:
 
 
 class RunningDigest:
-    """Hashes the first ``_HEAD_ITEMS`` items of a sequence and every ``_STRIDE``-th one after them.
+    """Hashes the first ``_HEAD_ITEMS`` items of a sequence and a sample after them.
+
+    :meth:`update` samples every ``_STRIDE``-th position; callers that read in blocks pick their own sample
+    (one item per block) and pass it to :meth:`include`. Every rank must sample the same positions.
 
     Hashing every batch would cost as much as producing it; sampling keeps the cost near zero and still
     catches a sampler that draws differently on each rank, which differs from its first batch on. The

@@ -2,9 +2,10 @@
 
 Under DDP every rank ends an evaluation or prediction loop holding only its share of the outputs. The helpers
 here give every rank the whole result. Tensors travel as tensors: every tensor of a call is viewed as raw bytes,
-packed into one buffer per rank and exchanged with a single padded ``all_gather``. That is several times faster
-than pickling large outputs, works for dtypes gloo cannot reduce (``bool``), and keeps each result on the device
-its input came from (CUDA with NCCL). Only non-tensor values go through ``all_gather_object``.
+packed into one buffer per rank and exchanged with a padded ``all_gather`` (on Gloo, as concurrent chunks).
+That is several times faster than pickling large outputs, works for dtypes gloo cannot reduce (``bool``), and
+keeps each result on the device its input came from (CUDA with NCCL). Only non-tensor values go through
+``all_gather_object``.
 
 Every decision that could raise (mismatched keys, shapes, dtypes) is taken from data that all ranks have
 gathered, so all ranks raise the same error together instead of leaving some of them waiting in a collective.
@@ -23,6 +24,7 @@ __all__ = ["sync_dicts", "gather_in_order"]
 
 _ALIGN = 16  # bytes; the largest element size (complex128), so every packed tensor can be viewed in place
 _MAX_NAMED = 10  # how many offending keys/indices an error message names
+_GLOO_CHUNK_BYTES = 8 << 20  # CPU buffers travel in chunks of this size, several in flight at once
 
 _Path = Tuple[Any, ...]  # the keys leading from the top-level dict to a value
 _Meta = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
@@ -175,8 +177,25 @@ def _all_gather_tensors(
     flat = torch.empty(width * len(metas_per_rank), dtype=torch.uint8, device=device)
     received = [flat[rank * width : (rank + 1) * width] for rank in range(len(metas_per_rank))]
     if width > 0:
-        dist.all_gather(received, _pack(tensors, width, device), group=group)
+        _all_gather_bytes(received, _pack(tensors, width, device), group)
     return [_unpack(buffer, metas) for buffer, metas in zip(received, metas_per_rank)]
+
+
+def _all_gather_bytes(received: List[torch.Tensor], local: torch.Tensor, group: Optional[Any]) -> None:
+    """``all_gather`` of equal-sized byte buffers; on CPU (Gloo) as concurrent chunks of ``_GLOO_CHUNK_BYTES``.
+
+    Gloo runs asynchronous collectives on several worker threads, so chunks in flight together overlap their
+    copies and socket I/O: 2-3x faster than one call for tens of MB (``benchmarks/gather.py``). Every rank
+    cuts the same width at the same offsets, so the chunks pair up across ranks.
+    """
+    size = local.numel()
+    chunk = _GLOO_CHUNK_BYTES if local.device.type == "cpu" else size
+    works = [
+        dist.all_gather([r[start : start + chunk] for r in received], local[start : start + chunk], group, async_op=True)
+        for start in range(0, size, chunk)
+    ]
+    for work in works:
+        work.wait()
 
 
 def _pack(tensors: List[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from distributed_helpers import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_ddp_ext import sync
 from lightning_ddp_ext.sync import gather_in_order, sync_dicts
 
 ROWS = (3, 0, 5)  # first-dim size per rank: uneven, and rank 1 has none
@@ -140,6 +141,14 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     results["object_payload_has_tensor"] = _contains_tensor(sent_as_objects)
     results["object_payload_bytes"] = len(pickle.dumps(sent_as_objects))
 
+    # The same exchange cut into many small concurrent chunks, whose edges fall inside tensors.
+    chunk_bytes = sync._GLOO_CHUNK_BYTES
+    sync._GLOO_CHUNK_BYTES = 1000
+    try:
+        results["merged_in_chunks"] = sync_dicts(_payload(rank))
+    finally:
+        sync._GLOO_CHUNK_BYTES = chunk_bytes
+
     # Same size on every rank and nothing else to send: the received buffer itself is the result.
     results["equal_rows"] = sync_dicts({"x": _equal_rows(rank)})["x"]
     results["errors"] = {name: _error_of(lambda d=d: sync_dicts(d)) for name, d in _bad_inputs(rank).items()}
@@ -220,6 +229,12 @@ def test_every_rank_gets_the_merge_in_rank_order(per_rank: List[Dict[str, Any]])
     expected = _expected_merge(len(per_rank))
     for rank, results in enumerate(per_rank):
         _assert_same(results["merged"], expected, f"rank {rank}")
+
+
+def test_buffers_cut_into_concurrent_chunks_arrive_whole(per_rank: List[Dict[str, Any]]) -> None:
+    expected = _expected_merge(len(per_rank))
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["merged_in_chunks"], expected, f"rank {rank}")
 
 
 def test_equal_sizes_on_every_rank(per_rank: List[Dict[str, Any]]) -> None:
