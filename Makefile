@@ -9,12 +9,12 @@ LIGHTNING_LOWEST ?= lightning==2.2.0
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-lowest docs bench clean
+.PHONY: demo test test-lowest typecheck docs bench clean
 
 $(VENV)/.installed: setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,bench]"
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,bench,typecheck]"
 	touch $@
 
 $(VENV_LOWEST)/.installed: setup.cfg setup.py
@@ -36,6 +36,10 @@ test: $(VENV)/.installed
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py
+
+## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy lightning_ddp_ext
 
 ## make docs: the Sphinx site in docs/_build/html, warnings as errors (works offline: see docs/conf.py)
 docs: $(VENV)/.installed

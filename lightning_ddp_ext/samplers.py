@@ -241,8 +241,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         items even when the sampler runs out early.
         """
         world, rank = self.num_replicas, self.rank
-        counter = count()
-        counted = map(itemgetter(0), zip(self.source, counter))  # items unchanged; `counter` counts them in C
+        # compress() passes every item (count's values are all true) and steps `counter` once per item, in C.
+        counter = count(1)
+        counted = compress(self.source, counter)
         final_start = (total - 1) // world * world  # first position of the last round
         head_end = min(final_start, -(-_HEAD_ITEMS // world) * world)
         head: List[Any] = []
@@ -264,7 +265,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             yield map(pick, islice(rounds, chunk - 1))
             last = next(rounds, None)
             if last is None:
-                raise self._mismatch(length, next(counter))
+                raise self._mismatch(length, next(counter) - 1)
             digest.include(last, position + (chunk - 1) * world)
             position += chunk * world
             yield (last[rank],)
