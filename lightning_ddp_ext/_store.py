@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from array import array
 from itertools import accumulate, chain, islice
-from typing import Any, Iterable, Iterator, List
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -60,7 +60,7 @@ class CompactStore:
             return
         self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
 
-    def blocks_in_order(self, order: "np.ndarray[Any, Any]", block_size: int = 1024) -> Iterator[Iterable[Any]]:
+    def blocks_in_order(self, order: np.ndarray[Any, Any], block_size: int = 1024) -> Iterator[Iterable[Any]]:
         """The items at insertion numbers ``order``, ``block_size`` at a time, as lazy iterators: each batch is
         rebuilt as a list of ints only when the consumer asks for it, so the rebuilt lists never pile up."""
         flat = self._flat
