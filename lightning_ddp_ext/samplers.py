@@ -44,9 +44,10 @@ _CHUNK_ROUNDS = 256
 _HEAD_ITEMS = 64
 # Positions the whole-epoch shuffle reads per block: a few Python steps per block, and one digest sample.
 _READ_BLOCK = 1024
-# Windows whose permutations are drawn in one call grow 1, 2, 4, ... up to this many elements, so that the
-# first batch costs one tiny draw whatever the epoch's length.
+# Windows whose permutations are drawn in one call grow 1, 8, 64, ... up to this many elements, so that the
+# first batch costs one tiny draw whatever the epoch's length, and a short epoch needs few numpy calls.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
+_PLAN_GROWTH = 8
 
 
 class LengthMismatchError(RuntimeError):
@@ -411,7 +412,7 @@ def _window_plans(
 ) -> Iterator[_WindowPlan]:
     """Plan the windowed shuffle: which positions this rank keeps, and in what order it yields them.
 
-    Windows are drawn in plans of 1, 2, 4, ... windows (argsort of uniform keys; the first plan is one
+    Windows are drawn in plans of 1, 8, 64, ... windows (argsort of uniform keys; the first plan is one
     tiny draw, whatever the epoch's length), up to ``_MAX_PERMUTATION_ELEMENTS`` positions, and all index
     arithmetic of a plan is done in numpy, so the Python work per block stays a few calls. Every rank
     draws the same numbers in the same order; only the positions it keeps differ.
@@ -465,7 +466,7 @@ def _window_plans(
             blocks[-1] = blocks[-1]._replace(last=True)
         yield _WindowPlan(keep.tobytes(), index.tolist(), blocks)
         first = end_window
-        plan_windows = min(plan_windows * 2, max(1, _MAX_PERMUTATION_ELEMENTS // window))
+        plan_windows = min(plan_windows * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
 
 
 class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
