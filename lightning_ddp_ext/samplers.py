@@ -232,6 +232,32 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             f" make __len__ return exactly the number of items __iter__ yields for the current epoch."
         )
 
+    def _check_exhausted(self, items: Iterator[Any], read: int, length: int) -> None:
+        """Drain ``items``, of which ``read`` were read already, and raise unless the sampler made ``length``."""
+        produced = read + sum(1 for _ in items)
+        if produced != length:
+            raise self._mismatch(length, produced)
+
+    def _read_block(
+        self, items: Iterator[Any], start: int, mask: bytes, kept: int, head: int, length: int, digest: RunningDigest
+    ) -> List[Any]:
+        """Read ``len(mask)`` items (positions ``start`` on) and return those ``mask`` keeps, ``kept`` of them.
+
+        ``compress`` keeps them in C and steps its selectors once per item read, so if the sampler runs out
+        inside the block, what is left of the selectors says how many it made. The first ``head`` kept items
+        are the epoch's head, hashed in full; the block's last position is always kept, on every rank, and
+        is the digest's sample of the block.
+        """
+        selectors = iter(mask)
+        picked = list(compress(islice(items, len(mask)), selectors))
+        if len(picked) != kept:
+            raise self._mismatch(length, start + len(mask) - length_hint(selectors))
+        if head:
+            digest.update(picked[:head], start)
+        if head < len(mask):
+            digest.include(picked[-1:], start + len(mask) - 1)
+        return picked
+
     def _unshuffled_blocks(self, length: int, total: int, digest: RunningDigest) -> Iterator[Iterable[T]]:
         """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
 
@@ -271,9 +297,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             position += chunk * world
             yield (last[rank],)
         final = list(islice(counted, max(0, length - final_start)))
-        extra = sum(1 for _ in counted)
-        if final_start + len(final) + extra != length:
-            raise self._mismatch(length, final_start + len(final) + extra)
+        self._check_exhausted(counted, final_start + len(final), length)
         digest.update(final, final_start)
         source_of_padding = head or final
         last_round = final[: total - final_start] + [
@@ -310,21 +334,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         plans = _window_plans(length, total, window, windows_per_block, head_end, self.num_replicas, self.rank, generator)
         for plan in plans:
             for block in plan.blocks:
-                selectors = iter(plan.mask[block.mask_start : block.mask_end])
-                picked = list(compress(islice(items, block.read), selectors))
-                if len(picked) != block.kept:  # compress steps `selectors` once per item read: what is left was not
-                    raise self._mismatch(length, block.start + block.read - length_hint(selectors))
-                if block.head:
-                    digest.update(picked[: block.head], block.start)
-                    head.extend(picked[: block.head])
-                if block.head < block.read:
-                    digest.include(picked[-1:], block.start + block.read - 1)
+                mask = plan.mask[block.mask_start : block.mask_end]
+                picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
+                head.extend(picked[: block.head])
                 if block.start == 0:
                     self._head_digest = digest.snapshot()
                 if block.last:
-                    remaining = sum(1 for _ in items)
-                    if block.start + block.read + remaining != length:
-                        raise self._mismatch(length, block.start + block.read + remaining)
+                    self._check_exhausted(items, block.start + len(mask), length)
                     digest.update((), length)
                     picked.extend(head[:pad_count])
                 positions = plan.order[block.order_start : block.order_end]
@@ -361,18 +377,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         items = iter(self.source)
         store = CompactStore(batched=self._batched, owner=self._source_name)
         for k, (start, end) in enumerate(zip(block_starts.tolist(), block_ends.tolist())):
-            selectors = iter(mask[start:end])
-            picked = list(compress(islice(items, end - start), selectors))
-            if len(picked) != selected_before[k + 1] - selected_before[k]:
-                raise self._mismatch(length, end - length_hint(selectors))
-            if start < _HEAD_ITEMS:
-                digest.update(picked[: min(end, _HEAD_ITEMS) - start], start)
-            if end > _HEAD_ITEMS:
-                digest.include(picked[-1:], end - 1)
+            kept = selected_before[k + 1] - selected_before[k]
+            head = max(0, min(end, _HEAD_ITEMS) - start)
+            picked = self._read_block(items, start, mask[start:end], kept, head, length, digest)
             store.extend(compress(picked, stored[selected_before[k] : selected_before[k + 1]]))
-        remaining = sum(1 for _ in items)
-        if remaining:
-            raise self._mismatch(length, length + remaining)
+        self._check_exhausted(items, length, length)
         digest.update((), length)
         self._head_digest = digest.snapshot()
         yield from store.blocks_in_order(slot_of_position.reshape(-1))  # type: ignore[misc]
@@ -382,11 +391,10 @@ class _WindowBlock(NamedTuple):
     """One block of whole windows, as ``_DealingWrapper._window_blocks`` reads it."""
 
     start: int  # first position of the block in the (padded) sequence
-    read: int  # items to read from the sampler (positions past its length are padding, never read)
     kept: int  # items ``compress`` keeps: this rank's, the block's last, and the head
     head: int  # leading items of the block that lie in the epoch's head (kept on every rank)
-    mask_start: int  # the block's span in ``_WindowPlan.mask``
-    mask_end: int
+    mask_start: int  # the block's span in ``_WindowPlan.mask``: the positions read from the sampler (those
+    mask_end: int  # past its length are padding, never read)
     order_start: int  # the block's span in ``_WindowPlan.order``
     order_end: int
     last: bool = False  # the epoch's last block
@@ -453,7 +461,7 @@ def _window_plans(
         order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
         heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
         blocks = [
-            _WindowBlock(start + block_start, read_stop - block_start, kept_count, head, block_start, read_stop, *order)
+            _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
             for block_start, read_stop, kept_count, head, order in zip(
                 block_starts.tolist(),
                 block_read_ends.tolist(),
