@@ -3,15 +3,36 @@
 Python lists of Python ints cost about 40 bytes per index and give the garbage collector millions of
 objects to walk; here the indices live in one flat ``array('q')`` plus offsets (8 bytes per index), and are
 turned back into lists only when yielded.
+
+Converting is most of what storing costs: ``array.fromlist`` and ``memoryview.tolist`` take longer per index
+than a cheap user sampler takes to make it, and holding a block of the sampler's lists until they are
+converted pushes its allocations out of the caches. The optional C helper ``_compact`` (built by setup.py
+where a compiler is found) reads the sampler's stream itself, packs each item as it arrives and releases it,
+and rebuilds batches with plain int allocations. It takes only exact ints and exact lists or tuples of them;
+it hands anything else to :meth:`CompactStore._convert`, so both paths store the same indices and raise the
+same errors.
 """
 from __future__ import annotations
 
 import operator
 from array import array
-from itertools import accumulate, chain, islice
-from typing import Any, Iterable, Iterator
+from itertools import accumulate, chain, compress, islice
+from operator import length_hint
+from typing import Any, Iterable, Iterator, List, Tuple
 
 import numpy as np
+
+try:
+    from lightning_ddp_ext import _compact
+except ImportError:  # not built (no compiler at install time): the pure-Python path does the same, slower
+    _compact = None  # type: ignore[assignment]
+
+# Batches the C helper rebuilds per call: enough to amortise the call, few enough to stay in the caches.
+_REBUILD_BLOCK = 64
+# CompactStore.read's action bytes: bit 1 stores the item, bit 2 returns it. The tables pick one bit.
+STORE, KEEP = 1, 2
+_STORE_BIT = bytes(action & STORE for action in range(256))
+_KEEP_BIT = bytes((action & KEEP) >> 1 for action in range(256))
 
 
 class CompactStore:
@@ -31,42 +52,71 @@ class CompactStore:
     def __len__(self) -> int:
         return len(self._offsets) - 1 if self._batched else len(self._flat)
 
-    def append(self, item: Any) -> None:
-        try:
-            if not self._batched:
-                self._flat.append(item)
-            elif type(item) is list:
-                self._flat.fromlist(item)  # the common case, and the fastest conversion
-                self._offsets.append(len(self._flat))
-            else:  # operator.index, not int(): a float or a string is refused, never truncated or parsed
-                self._flat.extend(map(operator.index, item))
-                self._offsets.append(len(self._flat))
-        except (TypeError, ValueError, OverflowError):
-            expected = "a sequence of integer indices" if self._batched else "an integer index"
-            raise TypeError(f"{self._owner} yielded {item!r}; each item must be {expected}.") from None
+    def read(self, items: Iterator[Any], actions: bytes) -> Tuple[List[Any], int]:
+        """Take up to ``len(actions)`` items from ``items`` and act on item ``i`` as ``actions[i]`` says:
+        ``STORE`` appends it to the store, ``KEEP`` returns it (both, or neither: it is dropped at once).
 
-    def extend(self, items: Iterable[Any]) -> None:
-        """Append many items; the conversion runs in C, with no Python step per item."""
+        Returns the kept items and how many items were taken (fewer than ``len(actions)`` only when
+        ``items`` ran out).
+        """
+        if _compact is not None:
+            packed, lengths, kept, count = _compact.read(items, actions, self._batched, self._convert)
+            self._flat.frombytes(packed)
+            if self._batched:
+                self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
+            return kept, count
+        selectors = iter(actions)
+        picked = list(compress(islice(items, len(actions)), selectors))  # steps `selectors` once per item
+        count = len(actions) - length_hint(selectors)
+        picked_actions = actions[:count].replace(b"\0", b"")  # one action per picked item
+        self._extend(compress(picked, picked_actions.translate(_STORE_BIT)))
+        return list(compress(picked, picked_actions.translate(_KEEP_BIT))), count
+
+    def _extend(self, items: Iterable[Any]) -> None:
+        """Append many items, converted in C by ``array.fromlist`` (no Python step per item)."""
         items = list(items)
         try:
             if not self._batched:
                 self._flat.fromlist(items)  # all or nothing: on error the array is unchanged
                 return
+            if any(isinstance(item, (str, bytes)) for item in items):
+                raise TypeError  # they iterate as characters or small ints, but are no index batches
             lengths = list(map(len, items))
             self._flat.fromlist(list(chain.from_iterable(items)))
         except (TypeError, ValueError, OverflowError):
-            for item in items:  # one at a time, to name the item that is not an index (append raises)
-                self.append(item)
+            for item in items:  # one at a time, to name the item that is not an index (_convert raises)
+                self._flat.frombytes(self._convert(item))
+                if self._batched:
+                    self._offsets.append(len(self._flat))
             return
         self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
 
+    def _convert(self, item: Any) -> bytes:
+        """One item's indices as int64 bytes, or a TypeError naming the item (the general, slow path)."""
+        try:
+            if not self._batched:
+                return array("q", [operator.index(item)]).tobytes()
+            if isinstance(item, (str, bytes)):
+                raise TypeError
+            # operator.index, not int(): a float or a string is refused, never truncated or parsed
+            return array("q", map(operator.index, item)).tobytes()
+        except (TypeError, ValueError, OverflowError):
+            expected = "a sequence of integer indices" if self._batched else "an integer index"
+            raise TypeError(f"{self._owner} yielded {item!r}; each item must be {expected}.") from None
+
     def blocks_in_order(self, order: np.ndarray[Any, Any], block_size: int = 1024) -> Iterator[Iterable[Any]]:
-        """The items at insertion numbers ``order``, ``block_size`` at a time, as lazy iterators: each batch is
-        rebuilt as a list of ints only when the consumer asks for it, so the rebuilt lists never pile up."""
+        """The items at insertion numbers ``order``, a block at a time: each batch is rebuilt as a list of ints
+        only when its block is reached, so the rebuilt lists never pile up."""
         flat = self._flat
         if not self._batched:
+            values = np.frombuffer(flat, dtype=np.int64)
             for start in range(0, len(order), block_size):
-                yield map(flat.__getitem__, order[start : start + block_size].tolist())
+                yield values[order[start : start + block_size]].tolist()
+            return
+        if _compact is not None:
+            slots = np.ascontiguousarray(order, dtype=np.int64)
+            for start in range(0, len(slots), _REBUILD_BLOCK):
+                yield _compact.lists(flat, self._offsets, slots[start : start + _REBUILD_BLOCK])
             return
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
         view = memoryview(flat)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lightning_ddp_ext._store import CompactStore
+from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
 __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "LengthMismatchError"]
@@ -355,32 +355,33 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Shuffle the whole epoch: read it all, keeping only this rank's share, compactly.
 
         The permutation depends only on ``seed + epoch`` and the length, so a rank knows before reading which
-        positions it needs. The sampler's stream is read in blocks of ``_READ_BLOCK`` positions:
-        ``itertools.compress`` picks this rank's items in C (with the digest's head and each block's last
-        item, which every rank keeps, as in the windowed shuffle), and the store converts a block at a time.
+        positions it needs. The store reads the sampler's stream in blocks of ``_READ_BLOCK`` positions,
+        storing this rank's items and returning the digest's head and each block's last item (every rank
+        hashes those), and drops every other item as soon as it is read.
         """
         world, rank = self.num_replicas, self.rank
         own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
         # Padding positions repeat the start of the sequence.
         own_sources = np.where(own_positions < length, own_positions, (own_positions - length) % length)
         needed_sources, slot_of_position = np.unique(own_sources, return_inverse=True)
-        needed = np.zeros(length, dtype=np.bool_)
-        needed[needed_sources] = True
+        actions = np.zeros(length, dtype=np.uint8)
+        actions[needed_sources] = STORE
         block_starts = np.arange(0, length, _READ_BLOCK)
         block_ends = np.minimum(block_starts + _READ_BLOCK, length)
-        selected = needed.copy()
-        selected[:_HEAD_ITEMS] = True
-        selected[block_ends - 1] = True
-        mask = selected.tobytes()
-        stored = needed[selected].tobytes()  # for each selected item: whether the store keeps it
-        selected_before = np.concatenate(([0], np.cumsum(selected)))[np.append(block_starts, length)].tolist()
+        actions[:_HEAD_ITEMS] |= KEEP  # the digest's head, and
+        actions[block_ends - 1] |= KEEP  # its sample: each block's last item
+        action_bytes = actions.tobytes()
         items = iter(self.source)
         store = CompactStore(batched=self._batched, owner=self._source_name)
-        for k, (start, end) in enumerate(zip(block_starts.tolist(), block_ends.tolist())):
-            kept = selected_before[k + 1] - selected_before[k]
+        for start, end in zip(block_starts.tolist(), block_ends.tolist()):
+            kept, count = store.read(items, action_bytes[start:end])
+            if count < end - start:
+                raise self._mismatch(length, start + count)
             head = max(0, min(end, _HEAD_ITEMS) - start)
-            picked = self._read_block(items, start, mask[start:end], kept, head, length, digest)
-            store.extend(compress(picked, stored[selected_before[k] : selected_before[k + 1]]))
+            if head:
+                digest.update(kept[:head], start)
+            if head < end - start:
+                digest.include(kept[-1:], end - 1)
         self._check_exhausted(items, length, length)
         digest.update((), length)
         self._head_digest = digest.snapshot()

@@ -1,0 +1,289 @@
+/* Optional C helper for lightning_ddp_ext._store: packs index batches into int64 bytes and rebuilds them.
+ *
+ * A whole-epoch shuffle stores this rank's share compactly and rebuilds each batch as a list when it is
+ * yielded. In pure Python the cheapest conversions (array.fromlist, memoryview.tolist) cost more per index
+ * than the user's sampler spends making it; here packing costs a few nanoseconds per index and rebuilding
+ * is a plain int allocation. The pure-Python path in _store.py stays the reference: this module only takes
+ * exact lists or tuples of exact ints, and raises TypeError for anything else so the caller falls back.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* Accept a C-contiguous buffer of native 8-byte signed integers (array('q'), numpy int64). */
+static int
+get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    const char *format = view->format == NULL ? "B" : view->format;
+    if (format[0] == '@' || format[0] == '=') {
+        format++;
+    }
+    if (view->itemsize != 8 || (strcmp(format, "q") != 0 && strcmp(format, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of int64, got format '%s' of %zd bytes",
+                     name, view->format == NULL ? "B" : view->format, view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The items of an exact list or tuple, or NULL with TypeError. */
+static PyObject **
+sequence_items(PyObject *obj, Py_ssize_t *size)
+{
+    if (PyList_CheckExact(obj)) {
+        *size = PyList_GET_SIZE(obj);
+        return ((PyListObject *)obj)->ob_item;
+    }
+    if (PyTuple_CheckExact(obj)) {
+        *size = PyTuple_GET_SIZE(obj);
+        return ((PyTupleObject *)obj)->ob_item;
+    }
+    PyErr_SetString(PyExc_TypeError, "expected a list or tuple");
+    return NULL;
+}
+
+/* Write the ints items[0:size] to out; TypeError or OverflowError for anything else. */
+static int
+pack_ints(PyObject **items, Py_ssize_t size, long long *out)
+{
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "expected an int");
+            return -1;
+        }
+        int overflow;
+        out[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow) {
+            PyErr_SetString(PyExc_OverflowError, "index out of the int64 range");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A growable buffer of int64, freed by the caller. */
+typedef struct {
+    long long *data;
+    Py_ssize_t size, capacity;
+} Int64Buffer;
+
+static int
+reserve(Int64Buffer *buffer, Py_ssize_t extra)
+{
+    if (extra <= buffer->capacity - buffer->size) {
+        return 0;
+    }
+    Py_ssize_t capacity = buffer->capacity < 1024 ? 1024 : buffer->capacity;
+    while (capacity - buffer->size < extra) {
+        if (capacity > PY_SSIZE_T_MAX / 16) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        capacity *= 2;
+    }
+    long long *data = PyMem_Realloc(buffer->data, (size_t)capacity * sizeof(long long));
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    buffer->data = data;
+    buffer->capacity = capacity;
+    return 0;
+}
+
+/* Append the indices of one item: exact ints (or lists and tuples of them) directly, anything else through
+ * convert(item), the pure-Python path, which returns their int64 bytes or raises the error users see. */
+static Py_ssize_t
+store_item(Int64Buffer *buffer, PyObject *item, int batched, PyObject *convert)
+{
+    Py_ssize_t size = 1;
+    PyObject **items = &item;
+    if (batched) {
+        items = sequence_items(item, &size);
+        if (items == NULL) {
+            PyErr_Clear();
+        }
+    }
+    if (items != NULL) {
+        if (reserve(buffer, size) < 0) {
+            return -1;
+        }
+        if (pack_ints(items, size, buffer->data + buffer->size) == 0) {
+            buffer->size += size;
+            return size;
+        }
+        PyErr_Clear();  /* a float, a bool, a numpy integer, or an int past int64: convert decides */
+    }
+    PyObject *converted = PyObject_CallOneArg(convert, item);
+    if (converted == NULL) {
+        return -1;
+    }
+    if (!PyBytes_Check(converted) || PyBytes_GET_SIZE(converted) % 8 != 0) {
+        PyErr_SetString(PyExc_TypeError, "convert must return the item's indices as int64 bytes");
+        Py_DECREF(converted);
+        return -1;
+    }
+    size = PyBytes_GET_SIZE(converted) / 8;
+    if (reserve(buffer, size) < 0) {
+        Py_DECREF(converted);
+        return -1;
+    }
+    memcpy(buffer->data + buffer->size, PyBytes_AS_STRING(converted), (size_t)size * 8);
+    buffer->size += size;
+    Py_DECREF(converted);
+    return size;
+}
+
+PyDoc_STRVAR(read_doc,
+"read(items, actions, batched, convert) -> (packed, lengths, kept, count)\n\n"
+"Take up to len(actions) items from the iterator items, and act on item i as actions[i] says: bit 1 packs\n"
+"its indices (concatenated into packed, native int64 bytes, with one entry per packed item in lengths\n"
+"when batched), bit 2 keeps the object (in kept). count is how many items were taken: fewer than\n"
+"len(actions) when the iterator ran out. Every item is released as soon as it was handled, so the\n"
+"sampler's next item reuses its memory while it is still in the caches.");
+
+static PyObject *
+compact_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read(items, actions, batched, convert) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *iterator = args[0], *convert = args[3];
+    if (!PyIter_Check(iterator)) {
+        PyErr_SetString(PyExc_TypeError, "items must be an iterator");
+        return NULL;
+    }
+    int batched = PyObject_IsTrue(args[2]);
+    if (batched < 0) {
+        return NULL;
+    }
+    Py_buffer actions;
+    if (PyObject_GetBuffer(args[1], &actions, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *action = actions.buf;
+    Int64Buffer buffer = {NULL, 0, 0};
+    PyObject *lengths = PyList_New(0), *kept = PyList_New(0), *result = NULL;
+    Py_ssize_t count = 0;
+    if (lengths == NULL || kept == NULL) {
+        goto done;
+    }
+    for (; count < actions.len; count++) {
+        PyObject *item = PyIter_Next(iterator);
+        if (item == NULL) {
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            break;
+        }
+        int failed = 0;
+        if (action[count] & 1) {
+            Py_ssize_t size = store_item(&buffer, item, batched, convert);
+            failed = size < 0;
+            if (!failed && batched) {
+                PyObject *length = PyLong_FromSsize_t(size);
+                failed = length == NULL || PyList_Append(lengths, length) < 0;
+                Py_XDECREF(length);
+            }
+        }
+        if (!failed && (action[count] & 2)) {
+            failed = PyList_Append(kept, item) < 0;
+        }
+        Py_DECREF(item);
+        if (failed) {
+            goto done;
+        }
+    }
+    PyObject *packed = PyBytes_FromStringAndSize((const char *)buffer.data, buffer.size * 8);
+    if (packed != NULL) {
+        result = Py_BuildValue("(NOOn)", packed, lengths, kept, count);
+    }
+done:
+    PyMem_Free(buffer.data);
+    Py_XDECREF(lengths);
+    Py_XDECREF(kept);
+    PyBuffer_Release(&actions);
+    return result;
+}
+
+PyDoc_STRVAR(lists_doc,
+"lists(flat, offsets, slots) -> list\n\n"
+"For each slot s, flat[offsets[s]:offsets[s + 1]] as a list of ints. All three are int64 buffers.");
+
+static PyObject *
+compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "lists(flat, offsets, slots) takes 3 arguments");
+        return NULL;
+    }
+    Py_buffer flat_view, offsets_view, slots_view;
+    if (get_int64_buffer(args[0], &flat_view, "flat") < 0) {
+        return NULL;
+    }
+    if (get_int64_buffer(args[1], &offsets_view, "offsets") < 0) {
+        PyBuffer_Release(&flat_view);
+        return NULL;
+    }
+    if (get_int64_buffer(args[2], &slots_view, "slots") < 0) {
+        PyBuffer_Release(&flat_view);
+        PyBuffer_Release(&offsets_view);
+        return NULL;
+    }
+    const long long *flat = flat_view.buf, *offsets = offsets_view.buf, *slots = slots_view.buf;
+    Py_ssize_t flat_size = flat_view.len / 8, slot_count = offsets_view.len / 8 - 1;
+    Py_ssize_t count = slots_view.len / 8;
+    PyObject *result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
+        long long slot = slots[i];
+        if (slot < 0 || slot >= slot_count || offsets[slot] < 0 || offsets[slot] > offsets[slot + 1]
+            || offsets[slot + 1] > flat_size) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is out of range or has bad offsets", slot);
+            Py_CLEAR(result);
+            break;
+        }
+        Py_ssize_t start = (Py_ssize_t)offsets[slot], size = (Py_ssize_t)(offsets[slot + 1] - offsets[slot]);
+        PyObject *batch = PyList_New(size);
+        for (Py_ssize_t j = 0; batch != NULL && j < size; j++) {
+            PyObject *index = PyLong_FromLongLong(flat[start + j]);
+            if (index == NULL) {
+                Py_CLEAR(batch);
+                break;
+            }
+            PyList_SET_ITEM(batch, j, index);
+        }
+        if (batch == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, batch);
+    }
+    PyBuffer_Release(&flat_view);
+    PyBuffer_Release(&offsets_view);
+    PyBuffer_Release(&slots_view);
+    return result;
+}
+
+static PyMethodDef compact_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))compact_read, METH_FASTCALL, read_doc},
+    {"lists", (PyCFunction)(void (*)(void))compact_lists, METH_FASTCALL, lists_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef compact_module = {
+    PyModuleDef_HEAD_INIT, "_compact", "Packing and rebuilding index batches for _store (optional).", 0,
+    compact_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__compact(void)
+{
+    return PyModule_Create(&compact_module);
+}

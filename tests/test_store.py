@@ -1,0 +1,139 @@
+"""The compact store behind the whole-epoch shuffle, on both of its paths: the optional C helper and pure Python.
+
+Ranks may run different builds (one with the helper compiled, one without), so both paths must store the
+same indices, keep the same items, count the same, and raise the same errors.
+"""
+from __future__ import annotations
+
+from array import array
+from itertools import chain
+from typing import Any, Iterator, List
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_ddp_ext import _store
+from lightning_ddp_ext._store import KEEP, STORE, CompactStore
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+
+from test_samplers import VariableBatches
+
+
+@pytest.fixture(params=["compiled", "python"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "compiled" and _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built (no compiler at install time)")
+    if request.param == "python":
+        monkeypatch.setattr(_store, "_compact", None)
+    return str(request.param)
+
+
+def stored(store: CompactStore) -> List[Any]:
+    return list(chain.from_iterable(store.blocks_in_order(np.arange(len(store)))))
+
+
+def as_ints(item: Any) -> Any:
+    return int(item) if isinstance(item, (int, np.integer)) else [int(i) for i in item]
+
+
+index = st.integers(-(2**63), 2**63 - 1)
+batch = st.lists(index, max_size=6).flatmap(
+    lambda values: st.sampled_from(
+        [values, tuple(values), np.array(values, dtype=np.int64), torch.tensor(values, dtype=torch.int64), [True] + values]
+    )
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only picks a path
+@given(data=st.data(), batched=st.booleans(), blocks=st.integers(1, 3))
+def test_read_stores_and_keeps_what_the_actions_say(path: str, data: st.DataObject, batched: bool, blocks: int) -> None:
+    items = data.draw(st.lists(batch if batched else st.one_of(index, index.map(np.int64)), max_size=40))
+    store = CompactStore(batched=batched, owner="Sampler")
+    source = iter(items)
+    expected_stored: List[Any] = []
+    read = 0
+    for _ in range(blocks):
+        actions = bytes(data.draw(st.lists(st.integers(0, 3), max_size=25)))
+        kept, count = store.read(source, actions)
+        taken = items[read : read + len(actions)]
+        assert count == len(taken)  # fewer than asked for only where the items ran out
+        assert [as_ints(k) for k in kept] == [as_ints(i) for i, a in zip(taken, actions) if a & KEEP]
+        assert all(k is i for k, i in zip(kept, (i for i, a in zip(taken, actions) if a & KEEP)))
+        expected_stored += [as_ints(i) for i, a in zip(taken, actions) if a & STORE]
+        read += count
+    assert stored(store) == expected_stored
+    assert len(store) == len(expected_stored)
+
+
+@pytest.mark.parametrize("item", [[2**63], [0, 1.5], "ab", b"ab", [None], 7, [[0]]])
+def test_items_that_are_not_index_sequences_are_named(path: str, item: Any) -> None:
+    store = CompactStore(batched=True, owner="MySampler")
+    with pytest.raises(TypeError, match=r"MySampler yielded .*; each item must be a sequence of integer indices"):
+        store.read(iter([[0, 1], item]), bytes([STORE, STORE]))
+
+
+@pytest.mark.parametrize("item", [2**63, 1.5, "3", None, [1]])
+def test_single_items_that_are_not_indices_are_named(path: str, item: Any) -> None:
+    store = CompactStore(batched=False, owner="MySampler")
+    with pytest.raises(TypeError, match=r"MySampler yielded .*; each item must be an integer index"):
+        store.read(iter([0, item]), bytes([STORE, STORE]))
+
+
+def test_rebuilt_batches_are_new_lists_in_the_asked_order(path: str) -> None:
+    batches = [[i, i + 1, -i] for i in range(300)] + [[], [2**62]]
+    store = CompactStore(batched=True, owner="Sampler")
+    assert store.read(iter(batches), bytes([STORE]) * len(batches)) == ([], len(batches))
+    order = np.random.default_rng(0).permutation(len(batches))
+    rebuilt = list(chain.from_iterable(store.blocks_in_order(order)))
+    assert rebuilt == [batches[i] for i in order]
+    assert all(type(b) is list and b is not batches[i] for b, i in zip(rebuilt, order))
+
+
+def test_errors_raised_by_the_sampler_propagate(path: str) -> None:
+    def failing() -> Iterator[List[int]]:
+        yield [0]
+        raise RuntimeError("sampler broke")
+
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        CompactStore(batched=True, owner="Sampler").read(failing(), bytes([STORE, STORE, STORE]))
+
+
+@pytest.mark.parametrize("cls", [DistributedBatchSamplerWrapper, DistributedSamplerWrapper])
+def test_whole_epoch_shuffle_is_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+    """A rank with the helper and a rank without it must deal the same shares with the same digests."""
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    source: Any = VariableBatches(3000) if cls is DistributedBatchSamplerWrapper else range(5, 3005)
+
+    def deal() -> List[Any]:
+        result = []
+        for rank in range(3):
+            wrapper = cls(source, num_replicas=3, rank=rank, shuffle=True, seed=11)
+            wrapper.set_epoch(2)
+            result.append((list(wrapper), wrapper.head_digest, wrapper.epoch_digest))
+        return result
+
+    compiled = deal()
+    monkeypatch.setattr(_store, "_compact", None)
+    assert deal() == compiled
+
+
+def test_the_helper_checks_its_buffers_and_slots() -> None:
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    flat, offsets = array("q", [1, 2, 3]), array("q", [0, 2, 3])
+    assert compact.lists(flat, offsets, np.array([1, 0])) == [[3], [1, 2]]
+    with pytest.raises(IndexError, match="slot 2"):
+        compact.lists(flat, offsets, np.array([2]))
+    with pytest.raises(IndexError, match="slot -1"):
+        compact.lists(flat, offsets, np.array([-1]))
+    with pytest.raises(IndexError, match="bad offsets"):
+        compact.lists(flat, array("q", [0, 5]), np.array([0]))
+    with pytest.raises(TypeError, match="slots must be a contiguous buffer of int64"):
+        compact.lists(flat, offsets, np.array([0], dtype=np.int32))
+    with pytest.raises(TypeError, match="items must be an iterator"):
+        compact.read([[0]], bytes([STORE]), True, bytes)
