@@ -11,13 +11,13 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 .PHONY: demo test test-lowest typecheck docs bench clean
 
-$(VENV)/.installed: setup.cfg setup.py
+$(VENV)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,bench,typecheck]"
 	touch $@
 
-$(VENV_LOWEST)/.installed: setup.cfg setup.py
+$(VENV_LOWEST)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	$(PYTHON) -m venv $(VENV_LOWEST)
 	# Lightning < 2.3 imports pkg_resources, which setuptools 81 removed.
 	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)" "setuptools>=77,<81"

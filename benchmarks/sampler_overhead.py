@@ -26,7 +26,8 @@ For each it measures:
   maxlen=0)``, so the consumer adds next to nothing); the minimum over a few rounds, a fresh wrapper
   each time (construction is not timed; ``set_epoch`` is called as a training loop would).
 * x floor: every timed run is paired with a run of the floor right beside it (alternately before and
-  after), and the ratio is the median over rounds of run / its floor run. The host's speed drifts by
+  after), and the ratio is the median over rounds of run / its floor run (three times the rounds for
+  contenders whose epoch takes under a second: short pairs are the noisiest). The host's speed drifts by
   tens of percent over minutes, much more than within one pair, so a ratio of two minima taken minutes
   apart would mostly measure that drift.
   The clock is this process's CPU time (``time.process_time``): in training each rank has its own core,
@@ -74,6 +75,7 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper as LightningSamplerWrapper
 from torch.utils.data import DistributedSampler
 
+from lightning_ddp_ext import _store
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper
 
 BATCH_SIZE = 64
@@ -83,6 +85,10 @@ QUICK_SIZES = (10_000, 100_000)
 DEFAULT_WORLDS = (2, 8)
 DEFAULT_ROUNDS = 5
 EXPENSIVE_EPOCH_S = 5.0  # a contender whose epoch takes longer is timed once: noise is small next to it
+# A contender whose epoch takes less than CHEAP_EPOCH_S gets CHEAP_ROUNDS_FACTOR times the rounds: short
+# pairs are the noisiest (a pause of a millisecond moves a 12 ms epoch by 8 %) and the cheapest to repeat.
+CHEAP_EPOCH_S = 1.0
+CHEAP_ROUNDS_FACTOR = 3
 FIRST_BATCH_BUDGET_S = 0.25  # extra time-to-first-batch samples are drawn while they cost less than this
 FIRST_BATCH_MAX_SAMPLES = 25
 MB = 1e6
@@ -279,13 +285,13 @@ def measure_cell(
         gc.collect()
         epoch_times[contender.key].append(epoch_s)
         first_times[contender.key].append(first_s)
-        progress(f"round {round_index + 1}/{rounds}  {contender.label:<38} epoch {epoch_s:8.3f} s")
+        progress(f"round {round_index + 1}  {contender.label:<38} epoch {epoch_s:8.3f} s")
         return epoch_s
 
-    for round_index in range(rounds):
+    for round_index in range(rounds * CHEAP_ROUNDS_FACTOR):
         for contender in CONTENDERS[1:]:
             times = epoch_times[contender.key]
-            if times and min(times) > EXPENSIVE_EPOCH_S:
+            if times and min(times) > (EXPENSIVE_EPOCH_S if round_index < rounds else CHEAP_EPOCH_S):
                 continue
             # Each run is paired with a floor run right beside it (before it in even rounds, after it in odd
             # ones): this machine's speed drifts by tens of percent over minutes, far more than within a pair.
@@ -492,9 +498,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" numpy {np.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
     )
+    helper = "built" if _store._compact is not None else "NOT built: whole-epoch shuffle on its pure-Python path"
+    print(f"C helper of the whole-epoch shuffle (lightning_ddp_ext._compact): {helper}")
     clock = time.perf_counter if args.wall else time.process_time
     print(
-        f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds};"
+        f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds}"
+        f" ({args.rounds * CHEAP_ROUNDS_FACTOR} for epochs under {CHEAP_EPOCH_S:g} s);"
         f" clock: {'wall (perf_counter)' if args.wall else 'process CPU time (process_time)'}\n",
         flush=True,
     )
