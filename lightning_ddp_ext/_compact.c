@@ -3,8 +3,9 @@
  * A whole-epoch shuffle stores this rank's share compactly and rebuilds each batch as a list when it is
  * yielded. In pure Python the cheapest conversions (array.fromlist, memoryview.tolist) cost more per index
  * than the user's sampler spends making it; here packing costs a few nanoseconds per index and rebuilding
- * is a plain int allocation. The pure-Python path in _store.py stays the reference: this module only takes
- * exact lists or tuples of exact ints, and raises TypeError for anything else so the caller falls back.
+ * is a plain int allocation. The pure-Python path in _store.py stays the reference: this module converts
+ * only exact ints and exact lists or tuples of them, and hands anything else to the caller's Python
+ * converter, so both paths store the same indices and raise the same errors.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,7 +31,7 @@ get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
     return 0;
 }
 
-/* The items of an exact list or tuple, or NULL with TypeError. */
+/* The items of an exact list or tuple, or NULL (no exception set) for anything else. */
 static PyObject **
 sequence_items(PyObject *obj, Py_ssize_t *size)
 {
@@ -42,23 +43,21 @@ sequence_items(PyObject *obj, Py_ssize_t *size)
         *size = PyTuple_GET_SIZE(obj);
         return ((PyTupleObject *)obj)->ob_item;
     }
-    PyErr_SetString(PyExc_TypeError, "expected a list or tuple");
     return NULL;
 }
 
-/* Write the ints items[0:size] to out; TypeError or OverflowError for anything else. */
+/* Write items[0:size] to out and return 0 if all are exact ints in the int64 range; otherwise return -1
+ * (no exception set). On exact ints PyLong_AsLongLongAndOverflow runs no Python code and cannot fail. */
 static int
 pack_ints(PyObject **items, Py_ssize_t size, long long *out)
 {
     for (Py_ssize_t i = 0; i < size; i++) {
+        int overflow;
         if (!PyLong_CheckExact(items[i])) {
-            PyErr_SetString(PyExc_TypeError, "expected an int");
             return -1;
         }
-        int overflow;
         out[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
         if (overflow) {
-            PyErr_SetString(PyExc_OverflowError, "index out of the int64 range");
             return -1;
         }
     }
@@ -104,9 +103,6 @@ store_item(Int64Buffer *buffer, PyObject *item, int batched, PyObject *convert)
     PyObject **items = &item;
     if (batched) {
         items = sequence_items(item, &size);
-        if (items == NULL) {
-            PyErr_Clear();
-        }
     }
     if (items != NULL) {
         if (reserve(buffer, size) < 0) {
@@ -116,7 +112,7 @@ store_item(Int64Buffer *buffer, PyObject *item, int batched, PyObject *convert)
             buffer->size += size;
             return size;
         }
-        PyErr_Clear();  /* a float, a bool, a numpy integer, or an int past int64: convert decides */
+        /* a float, a bool, a numpy integer, or an int past int64: convert decides */
     }
     PyObject *converted = PyObject_CallOneArg(convert, item);
     if (converted == NULL) {
