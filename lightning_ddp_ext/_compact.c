@@ -1,4 +1,5 @@
-/* Optional C helper for lightning_ddp_ext._store: packs index batches into int64 bytes and rebuilds them.
+/* Optional C helpers for the samplers: the compact store's packing and rebuilding (_store.py), and the
+ * dealer of the unshuffled path (samplers.py).
  *
  * A whole-epoch shuffle stores this rank's share compactly and rebuilds each batch as a list when it is
  * yielded. In pure Python the cheapest conversions (array.fromlist, memoryview.tolist) cost more per index
@@ -267,6 +268,92 @@ compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* Dealer(items, world, rank): iterate items a round of world at a time and yield each complete round's item
+ * at rank, releasing the others at once; a round the iterator does not finish yields nothing. What
+ * map(itemgetter(rank), zip(*[iter(items)] * world)) does, without holding a tuple of the round. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *source;
+    Py_ssize_t world, rank;
+} DealerObject;
+
+static PyObject *
+dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *items;
+    Py_ssize_t world, rank;
+    static char *keywords[] = {"items", "world", "rank", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onn:Dealer", keywords, &items, &world, &rank)) {
+        return NULL;
+    }
+    if (world < 1 || rank < 0 || rank >= world) {
+        PyErr_Format(PyExc_ValueError, "Dealer needs world >= 1 and 0 <= rank < world, got world=%zd rank=%zd",
+                     world, rank);
+        return NULL;
+    }
+    PyObject *source = PyObject_GetIter(items);
+    if (source == NULL) {
+        return NULL;
+    }
+    DealerObject *self = (DealerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(source);
+        return NULL;
+    }
+    self->source = source;
+    self->world = world;
+    self->rank = rank;
+    return (PyObject *)self;
+}
+
+static int
+dealer_traverse(DealerObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->source);
+    return 0;
+}
+
+static void
+dealer_dealloc(DealerObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_XDECREF(self->source);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+dealer_next(DealerObject *self)
+{
+    PyObject *own = NULL;
+    for (Py_ssize_t i = 0; i < self->world; i++) {
+        PyObject *item = PyIter_Next(self->source);
+        if (item == NULL) {  /* exhausted (or failed) inside the round: the round yields nothing */
+            Py_XDECREF(own);
+            return NULL;
+        }
+        if (i == self->rank) {
+            own = item;
+        }
+        else {
+            Py_DECREF(item);
+        }
+    }
+    return own;
+}
+
+static PyTypeObject DealerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "lightning_ddp_ext._compact.Dealer",
+    .tp_basicsize = sizeof(DealerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = PyDoc_STR("Dealer(items, world, rank): the item at rank of every complete round of world items."),
+    .tp_new = dealer_new,
+    .tp_dealloc = (destructor)dealer_dealloc,
+    .tp_traverse = (traverseproc)dealer_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)dealer_next,
+};
+
 static PyMethodDef compact_methods[] = {
     {"read", (PyCFunction)(void (*)(void))compact_read, METH_FASTCALL, read_doc},
     {"lists", (PyCFunction)(void (*)(void))compact_lists, METH_FASTCALL, lists_doc},
@@ -274,12 +361,19 @@ static PyMethodDef compact_methods[] = {
 };
 
 static struct PyModuleDef compact_module = {
-    PyModuleDef_HEAD_INIT, "_compact", "Packing and rebuilding index batches for _store (optional).", 0,
+    PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0,
     compact_methods,
 };
 
 PyMODINIT_FUNC
 PyInit__compact(void)
 {
-    return PyModule_Create(&compact_module);
+    if (PyType_Ready(&DealerType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&compact_module);
+    if (module != NULL && PyModule_AddType(module, &DealerType) < 0) {
+        Py_CLEAR(module);
+    }
+    return module;
 }

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
@@ -262,10 +263,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
 
         Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
-        rounds in C (``zip`` groups the stream into rounds, ``itemgetter`` keeps this rank's item, so the
-        other ranks' items are freed at once), with one round per chunk hashed, and the last round in Python
-        (length check, padding). ``zip`` only emits complete rounds, so every rank yields the same number of
-        items even when the sampler runs out early.
+        rounds in C (this rank's item of each complete round, the other ranks' items freed at once: the C
+        helper's ``Dealer``, or ``zip`` + ``itemgetter`` without it), with one round per chunk read in Python
+        and hashed, and the last round in Python (length check, padding). Only complete rounds yield, so
+        every rank yields the same number of items even when the sampler runs out early.
         """
         world, rank = self.num_replicas, self.rank
         # compress() passes every item (count's values are all true) and steps `counter` once per item, in C.
@@ -284,14 +285,14 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             head.extend(block)
             self._head_digest = digest.snapshot()
             yield block[rank::world]
-        rounds = zip(*[counted] * world)
-        pick = itemgetter(rank)
+        compact = _store._compact
+        dealt = compact.Dealer(counted, world, rank) if compact else map(itemgetter(rank), zip(*[counted] * world))
         position = head_end
         while position < final_start:
             chunk = min(_CHUNK_ROUNDS, (final_start - position) // world)
-            yield map(pick, islice(rounds, chunk - 1))
-            last = next(rounds, None)
-            if last is None:
+            yield islice(dealt, chunk - 1)
+            last = tuple(islice(counted, world))
+            if len(last) < world:
                 raise self._mismatch(length, next(counter) - 1)
             digest.include(last, position + (chunk - 1) * world)
             position += chunk * world

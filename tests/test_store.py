@@ -1,7 +1,8 @@
-"""The compact store behind the whole-epoch shuffle, on both of its paths: the optional C helper and pure Python.
+"""The optional C helper and its pure-Python twins: the compact store behind the whole-epoch shuffle, and the
+dealing of the unshuffled path.
 
 Ranks may run different builds (one with the helper compiled, one without), so both paths must store the
-same indices, keep the same items, count the same, and raise the same errors.
+same indices, keep the same items, deal the same shares, count the same, and raise the same errors.
 """
 from __future__ import annotations
 
@@ -118,6 +119,60 @@ def test_whole_epoch_shuffle_is_the_same_on_both_paths(monkeypatch: pytest.Monke
     compiled = deal()
     monkeypatch.setattr(_store, "_compact", None)
     assert deal() == compiled
+
+
+class Declared:
+    """Yields ``items`` but claims ``declared`` of them (a wrong ``__len__`` when they differ)."""
+
+    def __init__(self, items: List[Any], declared: int) -> None:
+        self.items, self.declared = items, declared
+
+    def __len__(self) -> int:
+        return self.declared
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+
+@pytest.mark.parametrize("actual", [2000, 1200, 1201, 2600])  # right, short at a round's end and inside it, long
+@pytest.mark.parametrize("world", [2, 3])
+def test_unshuffled_dealing_is_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch, actual: int, world: int) -> None:
+    """Shares, digests, and for a wrong __len__ the error and the number of items each rank yielded before it."""
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    source = Declared([[i, i + 1] for i in range(actual)], declared=2000)
+
+    def deal() -> List[Any]:
+        outcomes = []
+        for rank in range(world):
+            wrapper = DistributedBatchSamplerWrapper(source, num_replicas=world, rank=rank)
+            yielded: List[Any] = []
+            try:
+                yielded.extend(wrapper)
+            except RuntimeError as error:
+                outcomes.append((str(error), len(yielded)))
+            else:
+                outcomes.append((yielded, wrapper.epoch_digest))
+        return outcomes
+
+    compiled = deal()
+    if actual != 2000:
+        assert len({count for _, count in compiled}) == 1, "ranks yielded different numbers of items before the error"
+    monkeypatch.setattr(_store, "_compact", None)
+    assert deal() == compiled
+
+
+def test_the_dealer_yields_each_complete_round_once() -> None:
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    assert list(compact.Dealer(range(8), 3, 1)) == [1, 4]  # 6 and 7 form no complete round
+    assert list(compact.Dealer(iter(range(5)), 1, 0)) == [0, 1, 2, 3, 4]
+    items = iter(range(7))
+    assert list(compact.Dealer(items, 3, 2)) == [2, 5] and list(items) == []  # a partial round is consumed
+    for world, rank in ((0, 0), (2, 2), (2, -1)):
+        with pytest.raises(ValueError, match="world >= 1 and 0 <= rank < world"):
+            compact.Dealer(range(4), world, rank)
 
 
 def test_the_helper_checks_its_buffers_and_slots() -> None:
