@@ -63,7 +63,7 @@ class CompactStore:
             packed, lengths, kept, count = _compact.read(items, actions, self._batched, self._convert)
             self._flat.frombytes(packed)
             if self._batched:
-                self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
+                self._append_offsets(lengths)
             return kept, count
         selectors = iter(actions)
         picked = list(compress(islice(items, len(actions)), selectors))  # steps `selectors` once per item
@@ -89,6 +89,10 @@ class CompactStore:
                 if self._batched:
                     self._offsets.append(len(self._flat))
             return
+        self._append_offsets(lengths)
+
+    def _append_offsets(self, lengths: Iterable[int]) -> None:
+        """Record the ends of batches of ``lengths`` indices, appended to the flat array in that order."""
         self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
 
     def _convert(self, item: Any) -> bytes:

@@ -253,10 +253,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         picked = list(compress(islice(items, len(mask)), selectors))
         if len(picked) != kept:
             raise self._mismatch(length, start + len(mask) - length_hint(selectors))
-        if head:
-            digest.update(picked[:head], start)
-        if head < len(mask):
-            digest.include(picked[-1:], start + len(mask) - 1)
+        _hash_block(digest, picked, start, len(mask), head)
         return picked
 
     def _unshuffled_blocks(self, length: int, total: int, digest: RunningDigest) -> Iterator[Iterable[T]]:
@@ -378,15 +375,20 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             kept, count = store.read(items, action_bytes[start:end])
             if count < end - start:
                 raise self._mismatch(length, start + count)
-            head = max(0, min(end, _HEAD_ITEMS) - start)
-            if head:
-                digest.update(kept[:head], start)
-            if head < end - start:
-                digest.include(kept[-1:], end - 1)
+            _hash_block(digest, kept, start, end - start, max(0, min(end, _HEAD_ITEMS) - start))
         self._check_exhausted(items, length, length)
         digest.update((), length)
         self._head_digest = digest.snapshot()
         yield from store.blocks_in_order(slot_of_position.reshape(-1))  # type: ignore[misc]
+
+
+def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int) -> None:
+    """Hash what every rank kept of the block of ``size`` positions from ``start``: its first ``head`` items
+    (the epoch's head, in full) and, past the head, its last item (the block's sample)."""
+    if head:
+        digest.update(kept[:head], start)
+    if head < size:
+        digest.include(kept[-1:], start + size - 1)
 
 
 class _WindowBlock(NamedTuple):
