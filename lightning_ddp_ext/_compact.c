@@ -10,11 +10,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h> /* the layout of ints, which Python.h includes itself from 3.11 */
+#endif
+#include <stdint.h>
 #include <string.h>
 
-/* Accept a C-contiguous buffer of native 8-byte signed integers (array('q'), numpy int64). */
+/* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64) or, where
+ * narrow_ok, of 4 bytes (array('i'), numpy int32). */
 static int
-get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
+get_index_buffer(PyObject *obj, Py_buffer *view, const char *name, int narrow_ok)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
@@ -23,9 +28,11 @@ get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
     if (format[0] == '@' || format[0] == '=') {
         format++;
     }
-    if (view->itemsize != 8 || (strcmp(format, "q") != 0 && strcmp(format, "l") != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of int64, got format '%s' of %zd bytes",
-                     name, view->format == NULL ? "B" : view->format, view->itemsize);
+    int wide = view->itemsize == 8 && (strcmp(format, "q") == 0 || strcmp(format, "l") == 0);
+    int narrow = narrow_ok && view->itemsize == 4 && (strcmp(format, "i") == 0 || strcmp(format, "l") == 0);
+    if (!wide && !narrow) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of int64%s, got format '%s' of %zd bytes",
+                     name, narrow_ok ? " or int32" : "", view->format == NULL ? "B" : view->format, view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -47,8 +54,29 @@ sequence_items(PyObject *obj, Py_ssize_t *size)
     return NULL;
 }
 
+/* The value of an exact int, or -1 with *overflow set past the int64 range. Ints of one internal digit
+ * (below 2**30 in magnitude: nearly every index) are read inline; PyLong_AsLongLongAndOverflow, a call
+ * per index, takes the others (on exact ints it runs no Python code and cannot fail). */
+static inline long long
+exact_int_value(PyObject *value, int *overflow)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)value)) {
+        *overflow = 0;
+        return (long long)PyUnstable_Long_CompactValue((PyLongObject *)value);
+    }
+#else
+    Py_ssize_t size = Py_SIZE(value);
+    if (size >= -1 && size <= 1) {
+        *overflow = 0;
+        return (long long)size * (long long)((PyLongObject *)value)->ob_digit[0];
+    }
+#endif
+    return PyLong_AsLongLongAndOverflow(value, overflow);
+}
+
 /* Write items[0:size] to out and return 0 if all are exact ints in the int64 range; otherwise return -1
- * (no exception set). On exact ints PyLong_AsLongLongAndOverflow runs no Python code and cannot fail. */
+ * (no exception set). */
 static int
 pack_ints(PyObject **items, Py_ssize_t size, long long *out)
 {
@@ -57,7 +85,7 @@ pack_ints(PyObject **items, Py_ssize_t size, long long *out)
         if (!PyLong_CheckExact(items[i])) {
             return -1;
         }
-        out[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        out[i] = exact_int_value(items[i], &overflow);
         if (overflow) {
             return -1;
         }
@@ -135,20 +163,41 @@ store_item(Int64Buffer *buffer, PyObject *item, int batched, PyObject *convert)
     return size;
 }
 
+/* The buffer's values as bytes: 4 per value where narrow and all of them fit in int32, else 8. */
+static PyObject *
+narrow_bytes(const Int64Buffer *buffer, int narrow)
+{
+    for (Py_ssize_t i = 0; narrow && i < buffer->size; i++) {
+        narrow = buffer->data[i] >= INT32_MIN && buffer->data[i] <= INT32_MAX;
+    }
+    if (!narrow) {
+        return PyBytes_FromStringAndSize((const char *)buffer->data, buffer->size * 8);
+    }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, buffer->size * 4);
+    if (packed != NULL) {
+        int32_t *out = (int32_t *)PyBytes_AS_STRING(packed);
+        for (Py_ssize_t i = 0; i < buffer->size; i++) {
+            out[i] = (int32_t)buffer->data[i];
+        }
+    }
+    return packed;
+}
+
 PyDoc_STRVAR(read_doc,
-"read(items, actions, batched, convert) -> (packed, lengths, kept, count)\n\n"
+"read(items, actions, batched, convert, narrow) -> (packed, itemsize, lengths, kept, count)\n\n"
 "Take up to len(actions) items from the iterator items, and act on item i as actions[i] says: bit 1 packs\n"
-"its indices (concatenated into packed, native int64 bytes, with one entry per packed item in lengths\n"
-"when batched), bit 2 keeps the object (in kept). count is how many items were taken: fewer than\n"
-"len(actions) when the iterator ran out. Every item is released as soon as it was handled, so the\n"
-"sampler's next item reuses its memory while it is still in the caches.");
+"its indices (concatenated into packed, native integers of itemsize bytes, with one entry per packed item\n"
+"in lengths when batched), bit 2 keeps the object (in kept). itemsize is 4 when narrow is true and every\n"
+"packed index fits in int32, else 8. count is how many items were taken: fewer than len(actions) when the\n"
+"iterator ran out. Every item is released as soon as it was handled, so the sampler's next item reuses its\n"
+"memory while it is still in the caches.");
 
 static PyObject *
 compact_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "read(items, actions, batched, convert) takes 4 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "read(items, actions, batched, convert, narrow) takes 5 arguments");
         return NULL;
     }
     PyObject *iterator = args[0], *convert = args[3];
@@ -156,8 +205,8 @@ compact_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "items must be an iterator");
         return NULL;
     }
-    int batched = PyObject_IsTrue(args[2]);
-    if (batched < 0) {
+    int batched = PyObject_IsTrue(args[2]), narrow = PyObject_IsTrue(args[4]);
+    if (batched < 0 || narrow < 0) {
         return NULL;
     }
     Py_buffer actions;
@@ -197,9 +246,10 @@ compact_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    PyObject *packed = PyBytes_FromStringAndSize((const char *)buffer.data, buffer.size * 8);
+    PyObject *packed = narrow_bytes(&buffer, narrow);
     if (packed != NULL) {
-        result = Py_BuildValue("(NOOn)", packed, lengths, kept, count);
+        result = Py_BuildValue("(NnOOn)", packed, PyBytes_GET_SIZE(packed) == buffer.size * 4 ? 4 : 8, lengths,
+                               kept, count);
     }
 done:
     PyMem_Free(buffer.data);
@@ -209,9 +259,29 @@ done:
     return result;
 }
 
+/* New lists of ints with the values of an int32 or an int64 array. */
+#define DEFINE_LIST_OF(name, type)                                  \
+    static PyObject *                                               \
+    name(const type *values, Py_ssize_t size)                       \
+    {                                                               \
+        PyObject *list = PyList_New(size);                          \
+        for (Py_ssize_t j = 0; list != NULL && j < size; j++) {     \
+            PyObject *index = PyLong_FromLongLong(values[j]);       \
+            if (index == NULL) {                                    \
+                Py_CLEAR(list);                                     \
+                break;                                              \
+            }                                                       \
+            PyList_SET_ITEM(list, j, index);                        \
+        }                                                           \
+        return list;                                                \
+    }
+DEFINE_LIST_OF(int32_list, int32_t)
+DEFINE_LIST_OF(int64_list, long long)
+
 PyDoc_STRVAR(lists_doc,
 "lists(flat, offsets, slots) -> list\n\n"
-"For each slot s, flat[offsets[s]:offsets[s + 1]] as a list of ints. All three are int64 buffers.");
+"For each slot s, flat[offsets[s]:offsets[s + 1]] as a list of ints. flat is an int32 or int64 buffer,\n"
+"offsets and slots are int64 buffers.");
 
 static PyObject *
 compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -222,21 +292,33 @@ compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer flat_view, offsets_view, slots_view;
-    if (get_int64_buffer(args[0], &flat_view, "flat") < 0) {
+    if (get_index_buffer(args[0], &flat_view, "flat", 1) < 0) {
         return NULL;
     }
-    if (get_int64_buffer(args[1], &offsets_view, "offsets") < 0) {
+    if (get_index_buffer(args[1], &offsets_view, "offsets", 0) < 0) {
         PyBuffer_Release(&flat_view);
         return NULL;
     }
-    if (get_int64_buffer(args[2], &slots_view, "slots") < 0) {
+    if (get_index_buffer(args[2], &slots_view, "slots", 0) < 0) {
         PyBuffer_Release(&flat_view);
         PyBuffer_Release(&offsets_view);
         return NULL;
     }
-    const long long *flat = flat_view.buf, *offsets = offsets_view.buf, *slots = slots_view.buf;
-    Py_ssize_t flat_size = flat_view.len / 8, slot_count = offsets_view.len / 8 - 1;
+    const long long *offsets = offsets_view.buf, *slots = slots_view.buf;
+    const int narrow = flat_view.itemsize == 4;
+    Py_ssize_t flat_size = flat_view.len / flat_view.itemsize, slot_count = offsets_view.len / 8 - 1;
     Py_ssize_t count = slots_view.len / 8;
+    /* Slots come in random order: ask for all their memory first, so the cache misses overlap. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long slot = slots[i];
+        if (slot >= 0 && slot < slot_count && offsets[slot] >= 0 && offsets[slot + 1] <= flat_size) {
+            const char *first = (const char *)flat_view.buf + offsets[slot] * flat_view.itemsize;
+            const char *end = (const char *)flat_view.buf + offsets[slot + 1] * flat_view.itemsize;
+            for (const char *line = first; line < end; line += 64) {
+                __builtin_prefetch(line);
+            }
+        }
+    }
     PyObject *result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
         long long slot = slots[i];
@@ -247,15 +329,8 @@ compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         Py_ssize_t start = (Py_ssize_t)offsets[slot], size = (Py_ssize_t)(offsets[slot + 1] - offsets[slot]);
-        PyObject *batch = PyList_New(size);
-        for (Py_ssize_t j = 0; batch != NULL && j < size; j++) {
-            PyObject *index = PyLong_FromLongLong(flat[start + j]);
-            if (index == NULL) {
-                Py_CLEAR(batch);
-                break;
-            }
-            PyList_SET_ITEM(batch, j, index);
-        }
+        PyObject *batch = narrow ? int32_list((const int32_t *)flat_view.buf + start, size)
+                                 : int64_list((const long long *)flat_view.buf + start, size);
         if (batch == NULL) {
             Py_CLEAR(result);
             break;

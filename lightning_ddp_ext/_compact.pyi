@@ -2,9 +2,9 @@
 from typing import Any, Callable, Iterable, Iterator, List, Tuple
 
 def read(
-    items: Iterator[Any], actions: bytes, batched: bool, convert: Callable[[Any], bytes]
-) -> Tuple[bytes, List[int], List[Any], int]: ...
-def lists(flat: Any, offsets: Any, slots: Any) -> List[List[int]]:  # three C-contiguous int64 buffers
+    items: Iterator[Any], actions: bytes, batched: bool, convert: Callable[[Any], bytes], narrow: bool
+) -> Tuple[bytes, int, List[int], List[Any], int]: ...
+def lists(flat: Any, offsets: Any, slots: Any) -> List[List[int]]:  # C-contiguous int32/int64, int64, int64
     ...
 
 class Dealer(Iterator[Any]):

@@ -361,9 +361,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
         # Padding positions repeat the start of the sequence.
         own_sources = np.where(own_positions < length, own_positions, (own_positions - length) % length)
-        needed_sources, slot_of_position = np.unique(own_sources, return_inverse=True)
+        # The store holds each needed source once, in reading order: a source's slot is its rank among them.
         actions = np.zeros(length, dtype=np.uint8)
-        actions[needed_sources] = STORE
+        actions[own_sources] = STORE
+        slot_of_position = (np.cumsum(actions, dtype=np.int64) - 1)[own_sources]
         block_starts = np.arange(0, length, _READ_BLOCK)
         block_ends = np.minimum(block_starts + _READ_BLOCK, length)
         actions[:_HEAD_ITEMS] |= KEEP  # the digest's head, and
@@ -379,7 +380,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self._check_exhausted(items, length, length)
         digest.update((), length)
         self._head_digest = digest.snapshot()
-        yield from store.blocks_in_order(slot_of_position.reshape(-1))  # type: ignore[misc]
+        yield from store.blocks_in_order(slot_of_position)  # type: ignore[misc]
 
 
 def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int) -> None:

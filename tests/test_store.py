@@ -91,6 +91,24 @@ def test_rebuilt_batches_are_new_lists_in_the_asked_order(path: str) -> None:
     assert all(type(b) is list and b is not batches[i] for b, i in zip(rebuilt, order))
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_indices_are_held_as_int32_until_one_needs_int64(path: str, batched: bool) -> None:
+    """Narrow storage halves the store; an index past int32, in the middle of a block or in a later one,
+    widens it without changing what was stored."""
+    edges = [2**31 - 1, -(2**31), 0, 5]
+    wide = [2**31, -(2**31) - 1, 2**63 - 1]
+    store = CompactStore(batched=batched, owner="Sampler")
+    items: List[Any] = [[value, value] for value in edges] if batched else edges
+    store.read(iter(items), bytes([STORE]) * len(items))
+    assert store._flat.itemsize == 4
+    for value in wide:
+        later = [[1, value], [3]] if batched else [1, value, 3]
+        store.read(iter(later), bytes([STORE]) * len(later))
+        items += later
+        assert store._flat.itemsize == 8
+    assert stored(store) == items
+
+
 def test_errors_raised_by_the_sampler_propagate(path: str) -> None:
     def failing() -> Iterator[List[int]]:
         yield [0]
@@ -190,4 +208,6 @@ def test_the_helper_checks_its_buffers_and_slots() -> None:
     with pytest.raises(TypeError, match="slots must be a contiguous buffer of int64"):
         compact.lists(flat, offsets, np.array([0], dtype=np.int32))
     with pytest.raises(TypeError, match="items must be an iterator"):
-        compact.read([[0]], bytes([STORE]), True, bytes)
+        compact.read([[0]], bytes([STORE]), True, bytes, True)
+    with pytest.raises(TypeError, match="flat must be a contiguous buffer of int64 or int32"):
+        compact.lists(array("h", [1]), array("q", [0, 1]), np.array([0]))
