@@ -7,13 +7,19 @@ import sys
 from collections import Counter
 from typing import Any, Iterator, List, Optional
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, LengthMismatchError
+from lightning_ddp_ext.samplers import (
+    DistributedBatchSamplerWrapper,
+    DistributedSamplerWrapper,
+    LengthMismatchError,
+    _argsort_rows,
+)
 
 
 class VariableBatches:
@@ -119,6 +125,16 @@ def test_windowed_shuffle_permutes_within_windows_only() -> None:
         for k, batch in enumerate(share):
             position = sequence.index(tuple(batch))
             assert position // span == k // window  # k-th own batch comes from window k // window
+
+
+def test_equal_shuffle_keys_are_ordered_by_position_on_every_machine() -> None:
+    """numpy's default sort orders equal keys as its SIMD or scalar code happens to; the window permutation
+    must not depend on that, or ranks on different CPUs would permute differently."""
+    keys = (np.random.default_rng(0).integers(0, 2**24, (500, 32)) // 2**21 * 2**-24).astype(np.float32)
+    assert (keys[:, :, None] == keys[:, None, :]).sum() > 500 * 32  # plenty of ties
+    assert np.array_equal(_argsort_rows(keys), keys.argsort(axis=1, kind="stable"))
+    drawn = torch.rand((500, 32), generator=torch.Generator().manual_seed(0)).numpy()
+    assert np.array_equal(_argsort_rows(drawn), drawn.argsort(axis=1, kind="stable"))
 
 
 @settings(max_examples=60, deadline=None)
