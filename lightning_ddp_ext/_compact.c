@@ -1,15 +1,17 @@
 /* Optional C helpers for the samplers: the compact store's packing and rebuilding (_store.py), and the
- * dealer of the unshuffled path (samplers.py).
+ * dealers of the unshuffled and the windowed paths (samplers.py).
  *
  * A whole-epoch shuffle stores this rank's share compactly and rebuilds each batch as a list when it is
  * yielded. In pure Python the cheapest conversions (array.fromlist, memoryview.tolist) cost more per index
  * than the user's sampler spends making it; here packing costs a few nanoseconds per index and rebuilding
  * is a plain int allocation. The pure-Python path in _store.py stays the reference: this module converts
  * only exact ints and exact lists or tuples of them, and hands anything else to the caller's Python
- * converter, so both paths store the same indices and raise the same errors.
+ * converter, so both paths store the same indices and raise the same errors. The dealers yield exactly
+ * what their pure-Python counterparts in samplers.py yield, errors included.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #if PY_VERSION_HEX < 0x030B0000
 #include <longintrepr.h> /* the layout of ints, which Python.h includes itself from 3.11 */
 #endif
@@ -429,6 +431,190 @@ static PyTypeObject DealerType = {
     .tp_iternext = (iternextfunc)dealer_next,
 };
 
+/* WindowDealer(items, actions, order, window): read items a window of `window` positions at a time, as
+ * actions says per position (bit 1 holds the item for this rank, bit 2 appends it to .samples), and once a
+ * window is complete yield its held items in the order given by `order` (per yield, the index of the item
+ * among its window's held items, in reading order). A window the iterator does not finish yields nothing.
+ * The windowed shuffle's blocks: a rank holds one window's items, not a block's, so they stay in the caches.
+ * .read counts the positions read, .samples holds the bit-2 items. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *source, *samples;
+    Py_buffer actions, order;
+    PyObject **held;
+    Py_ssize_t window, held_count, next_yield, yields_end, position;
+    int done;
+} WindowDealerObject;
+
+static void
+release_held(WindowDealerObject *self)
+{
+    Py_ssize_t count = self->held_count;
+    self->held_count = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_DECREF(self->held[i]);
+    }
+}
+
+static PyObject *
+window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *items, *actions, *order;
+    Py_ssize_t window;
+    static char *keywords[] = {"items", "actions", "order", "window", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn:WindowDealer", keywords, &items, &actions, &order,
+                                     &window)) {
+        return NULL;
+    }
+    if (!PyIter_Check(items)) {
+        PyErr_SetString(PyExc_TypeError, "items must be an iterator");
+        return NULL;
+    }
+    if (window < 1) {
+        PyErr_Format(PyExc_ValueError, "WindowDealer needs window >= 1, got %zd", window);
+        return NULL;
+    }
+    WindowDealerObject *self = (WindowDealerObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(actions, &self->actions, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (get_index_buffer(order, &self->order, "order", 0) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    if (self->actions.len % window != 0) {
+        PyErr_Format(PyExc_ValueError, "actions must cover whole windows of %zd, got %zd positions", window,
+                     self->actions.len);
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->held = PyMem_Calloc((size_t)window, sizeof(PyObject *));
+    self->samples = PyList_New(0);
+    if (self->held == NULL || self->samples == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(items);
+    self->source = items;
+    self->window = window;
+    return (PyObject *)self;
+}
+
+static int
+window_dealer_traverse(WindowDealerObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->source);
+    Py_VISIT(self->samples);
+    for (Py_ssize_t i = 0; i < self->held_count; i++) {
+        Py_VISIT(self->held[i]);
+    }
+    return 0;
+}
+
+static void
+window_dealer_dealloc(WindowDealerObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->held != NULL) {
+        release_held(self);
+        PyMem_Free(self->held);
+    }
+    Py_XDECREF(self->source);
+    Py_XDECREF(self->samples);
+    if (self->actions.obj != NULL) {
+        PyBuffer_Release(&self->actions);
+    }
+    if (self->order.obj != NULL) {
+        PyBuffer_Release(&self->order);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Read the next window into held; 1 when complete, 0 when the iterator ran out or no positions are left
+ * (StopIteration), -1 on error. */
+static int
+read_window(WindowDealerObject *self)
+{
+    const unsigned char *action = self->actions.buf;
+    Py_ssize_t end = self->position + self->window;
+    if (end > self->actions.len) {
+        return 0;  /* every window was dealt */
+    }
+    while (self->position < end) {
+        PyObject *item = PyIter_Next(self->source);
+        if (item == NULL) {
+            release_held(self);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        unsigned char todo = action[self->position++];
+        if ((todo & 2) && PyList_Append(self->samples, item) < 0) {
+            Py_DECREF(item);
+            release_held(self);
+            return -1;
+        }
+        if (todo & 1) {
+            self->held[self->held_count++] = item;
+        }
+        else {
+            Py_DECREF(item);
+        }
+    }
+    Py_ssize_t yields = self->order.len / 8;
+    if (self->held_count > yields - self->yields_end) {
+        PyErr_SetString(PyExc_ValueError, "order has fewer entries than the windows hold items");
+        release_held(self);
+        return -1;
+    }
+    self->next_yield = self->yields_end;
+    self->yields_end += self->held_count;
+    return 1;
+}
+
+static PyObject *
+window_dealer_next(WindowDealerObject *self)
+{
+    while (self->next_yield == self->yields_end) {
+        release_held(self);
+        if (self->done || read_window(self) <= 0) {
+            self->done = 1;  /* stays exhausted, also after an error */
+            return NULL;
+        }
+    }
+    long long index = ((const long long *)self->order.buf)[self->next_yield++];
+    if (index < 0 || index >= self->held_count) {
+        PyErr_Format(PyExc_IndexError, "order entry %lld is not one of the window's %zd held items", index,
+                     self->held_count);
+        return NULL;
+    }
+    PyObject *item = self->held[index];
+    Py_INCREF(item);
+    return item;
+}
+
+static PyMemberDef window_dealer_members[] = {
+    {"read", T_PYSSIZET, offsetof(WindowDealerObject, position), READONLY, "positions read so far"},
+    {"samples", T_OBJECT, offsetof(WindowDealerObject, samples), READONLY, "the items of bit-2 positions"},
+    {NULL},
+};
+
+static PyTypeObject WindowDealerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "lightning_ddp_ext._compact.WindowDealer",
+    .tp_basicsize = sizeof(WindowDealerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = PyDoc_STR("WindowDealer(items, actions, order, window): each complete window's held items, in order."),
+    .tp_new = window_dealer_new,
+    .tp_dealloc = (destructor)window_dealer_dealloc,
+    .tp_traverse = (traverseproc)window_dealer_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)window_dealer_next,
+    .tp_members = window_dealer_members,
+};
+
 static PyMethodDef compact_methods[] = {
     {"read", (PyCFunction)(void (*)(void))compact_read, METH_FASTCALL, read_doc},
     {"lists", (PyCFunction)(void (*)(void))compact_lists, METH_FASTCALL, lists_doc},
@@ -443,11 +629,12 @@ static struct PyModuleDef compact_module = {
 PyMODINIT_FUNC
 PyInit__compact(void)
 {
-    if (PyType_Ready(&DealerType) < 0) {
+    if (PyType_Ready(&DealerType) < 0 || PyType_Ready(&WindowDealerType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&compact_module);
-    if (module != NULL && PyModule_AddType(module, &DealerType) < 0) {
+    if (module != NULL
+        && (PyModule_AddType(module, &DealerType) < 0 || PyModule_AddType(module, &WindowDealerType) < 0)) {
         Py_CLEAR(module);
     }
     return module;

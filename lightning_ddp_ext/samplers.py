@@ -35,9 +35,11 @@ __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "Lengt
 
 T = TypeVar("T")
 
-# Most items of its own a rank holds in one block of windows. A held item's memory stays in the core's
-# caches only while few are alive at once: holding about a hundred batches costs a few percent over
-# freeing each at once, holding a thousand nearly doubles the epoch (measured in benchmarks/sampler_overhead.py).
+# Own items per block of windows: the windowed shuffle's unit of Python work and of the digest's sample.
+# Without the C helper a rank holds a whole block: a held item's memory stays in the core's caches only
+# while few are alive at once, and holding about a hundred batches costs a few percent over freeing each
+# at once, a thousand nearly double the epoch (measured in benchmarks/sampler_overhead.py). The helper
+# holds one window at a time, whatever the block.
 _WINDOW_BLOCK_ITEMS = 128
 # Rounds the unshuffled path deals in C between two Python steps (each hashes one round for the digest).
 _CHUNK_ROUNDS = 256
@@ -316,12 +318,17 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Permute consecutive windows of the sequence and keep this rank's items of each, streaming.
 
         A window's permutation is drawn before the window is read, so the rank knows which of its positions
-        it takes: ``itertools.compress`` keeps those in C and frees the other ranks' items at once. A rank
-        thus holds only its own items of one block of windows (at most about ``_WINDOW_BLOCK_ITEMS``), which
-        keeps them in the core's caches. Each block also keeps its last position, on every rank: a sampler
-        that runs out early is then caught in the same block everywhere, before any rank yields from it, so
-        all ranks yield the same number of items. The first ``_HEAD_ITEMS`` positions are kept everywhere
-        too: the digest hashes them in full, and padding repeats them.
+        it takes and frees the other ranks' items at once. Windows are read in blocks of about
+        ``_WINDOW_BLOCK_ITEMS`` own items, a few Python steps per block. Each block's last position is kept on
+        every rank, as the digest's sample of the block. The first ``_HEAD_ITEMS`` positions are kept
+        everywhere too: the digest hashes them in full, and padding repeats them.
+
+        A window yields only once it was read whole (a block in the head or at the end only once the whole
+        block was), so all ranks yield the same number of items even when the sampler runs out early or
+        fails. The C helper's ``WindowDealer`` reads and yields a window at a time, so a rank holds one
+        window's items, which stay in the core's caches. Without it ``itertools.compress`` keeps a block's
+        items in C and the block yields once read whole, or its complete windows if the sampler stopped
+        inside it: the same items on both paths.
         """
         items = iter(self.source)
         pad_count = total - length
@@ -330,22 +337,70 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         per_window = window // self.num_replicas
         windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
         plans = _window_plans(length, total, window, windows_per_block, head_end, self.num_replicas, self.rank, generator)
+        compact = _store._compact
         for plan in plans:
+            run: List[_WindowBlock] = []  # consecutive plain blocks, for the C helper to deal in one go
             for block in plan.blocks:
+                plain = not (block.head or block.last)  # whole windows, none of them in the head
+                if plain and compact is not None:
+                    run.append(block)
+                    continue
+                if run:
+                    yield from self._deal_windows(compact, items, plan, run, window, length, digest)
+                    run = []
                 mask = plan.mask[block.mask_start : block.mask_end]
-                picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
-                head.extend(picked[: block.head])
-                if block.start == 0:
-                    self._head_digest = digest.snapshot()
-                if block.last:
-                    self._check_exhausted(items, block.start + len(mask), length)
-                    digest.update((), length)
-                    picked.extend(head[:pad_count])
                 positions = plan.order[block.order_start : block.order_end]
+                if not plain:
+                    picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
+                    head.extend(picked[: block.head])
+                    if block.start == 0:
+                        self._head_digest = digest.snapshot()
+                    if block.last:
+                        self._check_exhausted(items, block.start + len(mask), length)
+                        digest.update((), length)
+                        picked.extend(head[:pad_count])
+                else:
+                    selectors = iter(mask)
+                    picked = []
+                    failure: Optional[Exception] = None
+                    try:
+                        picked.extend(compress(islice(items, len(mask)), selectors))  # keeps what it read
+                    except Exception as error:  # the sampler's: raised after the complete windows, as in C
+                        failure = error
+                    read = len(mask) - length_hint(selectors)
+                    if failure is not None or read < len(mask):
+                        positions = positions[: read // window * per_window]  # the complete windows' items
+                        if positions:
+                            yield [picked[position] for position in positions]
+                        raise failure or self._mismatch(length, block.start + read)
+                    _hash_block(digest, picked, block.start, len(mask), 0)
                 if len(positions) > 1:
                     yield itemgetter(*positions)(picked)
                 elif positions:
                     yield (picked[positions[0]],)
+            if run:
+                yield from self._deal_windows(compact, items, plan, run, window, length, digest)
+
+    def _deal_windows(
+        self,
+        compact: Any,
+        items: Iterator[Any],
+        plan: _WindowPlan,
+        run: List[_WindowBlock],
+        window: int,
+        length: int,
+        digest: RunningDigest,
+    ) -> Iterator[Iterable[T]]:
+        """Deal consecutive plain blocks of a plan through the C helper's ``WindowDealer``, a window at a time,
+        then hash each block's sample (its last position, which the dealer returns) as the Python path does."""
+        first, last = run[0], run[-1]
+        actions = plan.actions[first.mask_start : last.mask_end]
+        dealer = compact.WindowDealer(items, actions, plan.held[first.order_start : last.order_end], window)
+        yield dealer
+        if dealer.read < len(actions):
+            raise self._mismatch(length, first.start + dealer.read)
+        for block, sample in zip(run, dealer.samples):
+            _hash_block(digest, [sample], block.start, block.mask_end - block.mask_start, 0)
 
     def _full_shuffle_blocks(
         self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
@@ -411,6 +466,8 @@ class _WindowPlan(NamedTuple):
     mask: bytes  # one byte per sampler position read in the plan: 1 where ``compress`` keeps the item
     order: List[int]  # this rank's items in yield order, as indices into each block's kept items
     blocks: List[_WindowBlock]
+    actions: bytes  # for WindowDealer, per position read: 1 this rank's item, 2 the block's last position
+    held: np.ndarray[Any, Any]  # for WindowDealer, per item in yield order: its index among its window's own
 
 
 def _window_plans(
@@ -477,7 +534,13 @@ def _window_plans(
         ]
         if end == total:
             blocks[-1] = blocks[-1]._replace(last=True)
-        yield _WindowPlan(keep.tobytes(), index.tolist(), blocks)
+        actions = np.zeros(read_end, dtype=np.uint8)
+        actions[own[own < read_end]] = 1
+        own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int64)))  # own positions before p
+        actions[block_read_ends - 1] |= 2
+        window_start = np.minimum(own - own % window, read_end)
+        held = own_before[np.minimum(own, read_end)] - own_before[window_start]
+        yield _WindowPlan(keep.tobytes(), index.tolist(), blocks, actions.tobytes(), held)
         first = end_window
         plan_windows = min(plan_windows * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
 

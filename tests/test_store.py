@@ -6,9 +6,10 @@ same indices, keep the same items, deal the same shares, count the same, and rai
 """
 from __future__ import annotations
 
+import operator
 from array import array
 from itertools import chain
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import numpy as np
 import pytest
@@ -118,8 +119,11 @@ def test_errors_raised_by_the_sampler_propagate(path: str) -> None:
         CompactStore(batched=True, owner="Sampler").read(failing(), bytes([STORE, STORE, STORE]))
 
 
+@pytest.mark.parametrize("shuffle_window", [None, 4])
 @pytest.mark.parametrize("cls", [DistributedBatchSamplerWrapper, DistributedSamplerWrapper])
-def test_whole_epoch_shuffle_is_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+def test_shuffles_are_the_same_on_both_paths(
+    monkeypatch: pytest.MonkeyPatch, cls: type, shuffle_window: Optional[int]
+) -> None:
     """A rank with the helper and a rank without it must deal the same shares with the same digests."""
     if _store._compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
@@ -129,7 +133,7 @@ def test_whole_epoch_shuffle_is_the_same_on_both_paths(monkeypatch: pytest.Monke
     def deal() -> List[Any]:
         result = []
         for rank in range(3):
-            wrapper = cls(source, num_replicas=3, rank=rank, shuffle=True, seed=11)
+            wrapper = cls(source, num_replicas=3, rank=rank, shuffle=True, seed=11, shuffle_window=shuffle_window)
             wrapper.set_epoch(2)
             result.append((list(wrapper), wrapper.head_digest, wrapper.epoch_digest))
         return result
@@ -140,34 +144,42 @@ def test_whole_epoch_shuffle_is_the_same_on_both_paths(monkeypatch: pytest.Monke
 
 
 class Declared:
-    """Yields ``items`` but claims ``declared`` of them (a wrong ``__len__`` when they differ)."""
+    """Yields ``items`` but claims ``declared`` of them (a wrong ``__len__`` when they differ); with ``fail``,
+    raises instead of yielding the last item."""
 
-    def __init__(self, items: List[Any], declared: int) -> None:
-        self.items, self.declared = items, declared
+    def __init__(self, items: List[Any], declared: int, fail: bool = False) -> None:
+        self.items, self.declared, self.fail = items, declared, fail
 
     def __len__(self) -> int:
         return self.declared
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.items)
+        if not self.fail:
+            return iter(self.items)
+        return chain(self.items[:-1], map(operator.truediv, [1], [0]))  # ZeroDivisionError: a RuntimeError's kin
 
 
-@pytest.mark.parametrize("actual", [2000, 1200, 1201, 2600])  # right, short at a round's end and inside it, long
-@pytest.mark.parametrize("world", [2, 3])
-def test_unshuffled_dealing_is_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch, actual: int, world: int) -> None:
-    """Shares, digests, and for a wrong __len__ the error and the number of items each rank yielded before it."""
+@pytest.mark.parametrize("actual", [2000, 1200, 1201, 2600, -1201])  # right, short at a round's end and inside it,
+@pytest.mark.parametrize("world", [2, 3])  # long, and failing (-) at item 1201
+@pytest.mark.parametrize("shuffle_window", [0, 1, 16])  # 0: unshuffled
+def test_dealing_is_the_same_on_both_paths(
+    monkeypatch: pytest.MonkeyPatch, actual: int, world: int, shuffle_window: int
+) -> None:
+    """Shares, digests, and for a wrong __len__ or a failing sampler the error and the number of items each
+    rank yielded before it, which must be the same on every rank (or DDP hangs)."""
     if _store._compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    source = Declared([[i, i + 1] for i in range(actual)], declared=2000)
+    source = Declared([[i, i + 1] for i in range(abs(actual))], declared=2000, fail=actual < 0)
+    options = {"shuffle": True, "seed": 5, "shuffle_window": shuffle_window} if shuffle_window else {}
 
     def deal() -> List[Any]:
         outcomes = []
         for rank in range(world):
-            wrapper = DistributedBatchSamplerWrapper(source, num_replicas=world, rank=rank)
+            wrapper = DistributedBatchSamplerWrapper(source, num_replicas=world, rank=rank, **options)
             yielded: List[Any] = []
             try:
                 yielded.extend(wrapper)
-            except RuntimeError as error:
+            except (RuntimeError, ZeroDivisionError) as error:
                 outcomes.append((str(error), len(yielded)))
             else:
                 outcomes.append((yielded, wrapper.epoch_digest))
@@ -191,6 +203,41 @@ def test_the_dealer_yields_each_complete_round_once() -> None:
     for world, rank in ((0, 0), (2, 2), (2, -1)):
         with pytest.raises(ValueError, match="world >= 1 and 0 <= rank < world"):
             compact.Dealer(range(4), world, rank)
+
+
+def test_the_window_dealer_yields_complete_windows_in_the_given_order() -> None:
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    actions = bytes([1, 0, 1, 2, 3, 1, 0, 0, 0, 1, 1, 2])  # windows of 4: holds 2, 2 and 2 items
+    order = np.array([1, 0, 0, 1, 1, 0])
+    dealer = compact.WindowDealer(iter("abcdefghijkl"), actions, order, 4)
+    assert list(dealer) == ["c", "a", "e", "f", "k", "j"]
+    assert (dealer.read, dealer.samples) == (12, ["d", "e", "l"])
+    items = iter("abcdefghij")  # runs out inside the third window: its items are not yielded
+    dealer = compact.WindowDealer(items, actions, order, 4)
+    assert list(dealer) == ["c", "a", "e", "f"] and dealer.read == 10 and list(items) == []
+    assert list(dealer) == []
+
+    def failing() -> Iterator[str]:
+        yield from "abcde"
+        raise RuntimeError("sampler broke")
+
+    dealer = compact.WindowDealer(failing(), actions, order, 4)
+    assert [next(dealer), next(dealer)] == ["c", "a"]
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        next(dealer)
+    assert list(dealer) == []
+    with pytest.raises(ValueError, match="whole windows of 5"):
+        compact.WindowDealer(iter("ab"), actions, order, 5)
+    with pytest.raises(ValueError, match="window >= 1"):
+        compact.WindowDealer(iter("ab"), actions, order, 0)
+    with pytest.raises(ValueError, match="fewer entries"):
+        list(compact.WindowDealer(iter("abcdefghijkl"), actions, order[:3], 4))
+    with pytest.raises(IndexError, match="order entry 2"):
+        list(compact.WindowDealer(iter("abcd"), actions[:4], np.array([2, 0]), 4))
+    with pytest.raises(TypeError, match="items must be an iterator"):
+        compact.WindowDealer("abcd", actions[:4], order, 4)
 
 
 def test_the_helper_checks_its_buffers_and_slots() -> None:
