@@ -226,6 +226,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 block = list(block)  # blocks may be one-shot iterators
                 self.yielded.extend(block)
             yield block
+            del block  # consumed: free it (and what it refers to) before the next block is made
         self._epoch_digest = digest.snapshot()
 
     def _mismatch(self, length: int, produced: int) -> LengthMismatchError:
@@ -349,7 +350,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                     yield from self._deal_windows(compact, items, plan, run, window, length, digest)
                     run = []
                 mask = plan.mask[block.mask_start : block.mask_end]
-                positions = plan.order[block.order_start : block.order_end]
+                positions = plan.order[block.order_start : block.order_end].tolist()
                 if not plain:
                     picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
                     head.extend(picked[: block.head])
@@ -380,6 +381,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                     yield (picked[positions[0]],)
             if run:
                 yield from self._deal_windows(compact, items, plan, run, window, length, digest)
+            del plan  # before the next plan is drawn: two plans' arrays never coexist
 
     def _deal_windows(
         self,
@@ -464,7 +466,7 @@ class _WindowPlan(NamedTuple):
     """Consecutive windows whose permutations were drawn in one call."""
 
     mask: bytes  # one byte per sampler position read in the plan: 1 where ``compress`` keeps the item
-    order: List[int]  # this rank's items in yield order, as indices into each block's kept items
+    order: np.ndarray[Any, Any]  # this rank's items in yield order, as indices into each block's kept items
     blocks: List[_WindowBlock]
     actions: bytes  # for WindowDealer, per position read: 1 this rank's item, 2 the block's last position
     held: np.ndarray[Any, Any]  # for WindowDealer, per item in yield order: its index among its window's own
@@ -489,60 +491,79 @@ def _window_plans(
     """
     full_windows, last_window = divmod(total, window)
     windows = full_windows + (1 if last_window else 0)
-    per_window = window // world
     plan_windows = 1
     first = 0  # first window of the plan
     while first < windows:
         count_full = min(plan_windows, full_windows - first) if first < full_windows else 0
-        parts = []
-        if count_full:
-            keys = torch.rand((count_full, window), generator=generator).numpy()
-            ranked = _argsort_rows(keys)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
-            parts.append(ranked.reshape(-1))
-        end_window = first + count_full
-        if end_window == full_windows and last_window:  # the epoch's last, partial window joins this plan
-            parts.append(torch.randperm(last_window, generator=generator)[rank::world].numpy() + count_full * window)
-            end_window += 1
-        start = first * window
-        end = min(end_window * window, total)
-        own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
-        read_end = min(end, length) - start  # positions from `length` on are padding: never read
-        keep = np.zeros(read_end, dtype=np.bool_)
-        keep[own[own < read_end]] = True
-        block_starts = np.arange(0, end - start, windows_per_block * window)
-        block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
-        keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
-        keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
-        kept_before = np.concatenate(([0], np.cumsum(keep)))  # kept_before[p]: kept positions before p
-        block_of = (np.arange(len(own)) // per_window) // windows_per_block
-        kept = kept_before[block_read_ends] - kept_before[block_starts]
-        padded = own + start >= length
-        index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
-        if padded.any():  # the head is appended after the last block's kept items
-            index[padded] = kept[-1] + (own[padded] + start - length) % length
-        order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
-        heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
-        blocks = [
-            _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
-            for block_start, read_stop, kept_count, head, order in zip(
-                block_starts.tolist(),
-                block_read_ends.tolist(),
-                kept.tolist(),
-                heads.tolist(),
-                zip(order_bounds, order_bounds[1:]),
-            )
-        ]
-        if end == total:
-            blocks[-1] = blocks[-1]._replace(last=True)
-        actions = np.zeros(read_end, dtype=np.uint8)
-        actions[own[own < read_end]] = 1
-        own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int64)))  # own positions before p
-        actions[block_read_ends - 1] |= 2
-        window_start = np.minimum(own - own % window, read_end)
-        held = own_before[np.minimum(own, read_end)] - own_before[window_start]
-        yield _WindowPlan(keep.tobytes(), index.tolist(), blocks, actions.tobytes(), held)
-        first = end_window
+        with_last = first + count_full == full_windows and last_window > 0  # the last, partial window joins
+        # A function call, so that the plan's temporaries are freed before the next plan is drawn.
+        yield _window_plan(length, total, window, windows_per_block, head_end, world, rank, generator, first, count_full, with_last)
+        first += count_full + with_last
         plan_windows = min(plan_windows * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
+
+
+def _window_plan(
+    length: int,
+    total: int,
+    window: int,
+    windows_per_block: int,
+    head_end: int,
+    world: int,
+    rank: int,
+    generator: torch.Generator,
+    first: int,
+    count_full: int,
+    with_last: bool,
+) -> _WindowPlan:
+    """Draw the plan of ``count_full`` full windows from window ``first`` on, and of the epoch's last,
+    partial window too when ``with_last`` (see ``_window_plans``)."""
+    parts = []
+    if count_full:
+        keys = torch.rand((count_full, window), generator=generator).numpy()
+        ranked = _argsort_rows(keys)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
+        parts.append(ranked.reshape(-1))
+    end_window = first + count_full
+    if with_last:
+        parts.append(torch.randperm(total % window, generator=generator)[rank::world].numpy() + count_full * window)
+        end_window += 1
+    per_window = window // world
+    start = first * window
+    end = min(end_window * window, total)
+    own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
+    read_end = min(end, length) - start  # positions from `length` on are padding: never read
+    keep = np.zeros(read_end, dtype=np.bool_)
+    keep[own[own < read_end]] = True
+    block_starts = np.arange(0, end - start, windows_per_block * window)
+    block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
+    keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
+    keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
+    kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
+    block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)
+    kept = kept_before[block_read_ends] - kept_before[block_starts]
+    padded = own + start >= length
+    index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
+    if padded.any():  # the head is appended after the last block's kept items
+        index[padded] = kept[-1] + (own[padded] + start - length) % length
+    order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
+    heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
+    blocks = [
+        _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
+        for block_start, read_stop, kept_count, head, order in zip(
+            block_starts.tolist(),
+            block_read_ends.tolist(),
+            kept.tolist(),
+            heads.tolist(),
+            zip(order_bounds, order_bounds[1:]),
+        )
+    ]
+    if end == total:
+        blocks[-1] = blocks[-1]._replace(last=True)
+    actions = np.zeros(read_end, dtype=np.uint8)
+    actions[own[own < read_end]] = 1
+    own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int32)))  # own positions before p
+    actions[block_read_ends - 1] |= 2
+    held = own_before[np.minimum(own, read_end)] - own_before[np.minimum(own - own % window, read_end)]
+    return _WindowPlan(keep.tobytes(), index, blocks, actions.tobytes(), held.astype(np.int64))
 
 
 def _argsort_rows(keys: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -556,7 +577,9 @@ def _argsort_rows(keys: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     at the default sort's speed.
     """
     width = keys.shape[1]
-    exact = (keys * float(1 << 24)).astype(np.int64) * width + np.arange(width, dtype=np.int64)
+    exact = (keys * float(1 << 24)).astype(np.int64)
+    exact *= width  # in place: a plan's temporaries are most of what the windowed shuffle holds
+    exact += np.arange(width, dtype=np.int64)
     return exact.argsort(axis=1)
 
 
