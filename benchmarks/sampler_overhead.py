@@ -498,8 +498,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__},"
         f" numpy {np.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
     )
-    helper = "built" if _store._compact is not None else "NOT built: whole-epoch shuffle on its pure-Python path"
-    print(f"C helper of the whole-epoch shuffle (lightning_ddp_ext._compact): {helper}")
+    helper = "built" if _store._compact is not None else "NOT built: the wrappers run their pure-Python paths"
+    print(f"C helper of the sampler wrappers (lightning_ddp_ext._compact): {helper}")
     clock = time.perf_counter if args.wall else time.process_time
     print(
         f"B = {', '.join(map(size_label, sizes))}; W = {', '.join(map(str, worlds))}; rounds = {args.rounds}"
