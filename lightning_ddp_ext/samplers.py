@@ -489,6 +489,59 @@ def _window_plans(
     arithmetic of a plan is done in numpy, so the Python work per block stays a few calls. Every rank
     draws the same numbers in the same order; only the positions it keeps differ.
     """
+
+    def draw(first: int, count_full: int, with_last: bool) -> _WindowPlan:
+        """The plan of ``count_full`` full windows from window ``first`` on, and of the epoch's last, partial
+        window too when ``with_last``. A function, so its temporaries are freed before the next plan."""
+        parts = []
+        if count_full:
+            keys = torch.rand((count_full, window), generator=generator).numpy()
+            ranked = _argsort_rows(keys)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
+            parts.append(ranked.reshape(-1))
+        end_window = first + count_full
+        if with_last:
+            parts.append(torch.randperm(total % window, generator=generator)[rank::world].numpy() + count_full * window)
+            end_window += 1
+        per_window = window // world
+        start = first * window
+        end = min(end_window * window, total)
+        own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
+        read_end = min(end, length) - start  # positions from `length` on are padding: never read
+        own_read = own[own < read_end]
+        keep = np.zeros(read_end, dtype=np.bool_)
+        keep[own_read] = True
+        block_starts = np.arange(0, end - start, windows_per_block * window)
+        block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
+        keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
+        keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
+        kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
+        block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)
+        kept = kept_before[block_read_ends] - kept_before[block_starts]
+        padded = own + start >= length
+        index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
+        if padded.any():  # the head is appended after the last block's kept items
+            index[padded] = kept[-1] + (own[padded] + start - length) % length
+        order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
+        heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
+        blocks = [
+            _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
+            for block_start, read_stop, kept_count, head, order in zip(
+                block_starts.tolist(),
+                block_read_ends.tolist(),
+                kept.tolist(),
+                heads.tolist(),
+                zip(order_bounds, order_bounds[1:]),
+            )
+        ]
+        if end == total:
+            blocks[-1] = blocks[-1]._replace(last=True)
+        actions = np.zeros(read_end, dtype=np.uint8)
+        actions[own_read] = 1
+        own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int32)))  # own positions before p
+        actions[block_read_ends - 1] |= 2
+        held = own_before[np.minimum(own, read_end)] - own_before[np.minimum(own - own % window, read_end)]
+        return _WindowPlan(keep.tobytes(), index, blocks, actions.tobytes(), held.astype(np.int64))
+
     full_windows, last_window = divmod(total, window)
     windows = full_windows + (1 if last_window else 0)
     plan_windows = 1
@@ -496,74 +549,9 @@ def _window_plans(
     while first < windows:
         count_full = min(plan_windows, full_windows - first) if first < full_windows else 0
         with_last = first + count_full == full_windows and last_window > 0  # the last, partial window joins
-        # A function call, so that the plan's temporaries are freed before the next plan is drawn.
-        yield _window_plan(length, total, window, windows_per_block, head_end, world, rank, generator, first, count_full, with_last)
+        yield draw(first, count_full, with_last)
         first += count_full + with_last
         plan_windows = min(plan_windows * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
-
-
-def _window_plan(
-    length: int,
-    total: int,
-    window: int,
-    windows_per_block: int,
-    head_end: int,
-    world: int,
-    rank: int,
-    generator: torch.Generator,
-    first: int,
-    count_full: int,
-    with_last: bool,
-) -> _WindowPlan:
-    """Draw the plan of ``count_full`` full windows from window ``first`` on, and of the epoch's last,
-    partial window too when ``with_last`` (see ``_window_plans``)."""
-    parts = []
-    if count_full:
-        keys = torch.rand((count_full, window), generator=generator).numpy()
-        ranked = _argsort_rows(keys)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
-        parts.append(ranked.reshape(-1))
-    end_window = first + count_full
-    if with_last:
-        parts.append(torch.randperm(total % window, generator=generator)[rank::world].numpy() + count_full * window)
-        end_window += 1
-    per_window = window // world
-    start = first * window
-    end = min(end_window * window, total)
-    own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
-    read_end = min(end, length) - start  # positions from `length` on are padding: never read
-    keep = np.zeros(read_end, dtype=np.bool_)
-    keep[own[own < read_end]] = True
-    block_starts = np.arange(0, end - start, windows_per_block * window)
-    block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
-    keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
-    keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
-    kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
-    block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)
-    kept = kept_before[block_read_ends] - kept_before[block_starts]
-    padded = own + start >= length
-    index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
-    if padded.any():  # the head is appended after the last block's kept items
-        index[padded] = kept[-1] + (own[padded] + start - length) % length
-    order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
-    heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
-    blocks = [
-        _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
-        for block_start, read_stop, kept_count, head, order in zip(
-            block_starts.tolist(),
-            block_read_ends.tolist(),
-            kept.tolist(),
-            heads.tolist(),
-            zip(order_bounds, order_bounds[1:]),
-        )
-    ]
-    if end == total:
-        blocks[-1] = blocks[-1]._replace(last=True)
-    actions = np.zeros(read_end, dtype=np.uint8)
-    actions[own[own < read_end]] = 1
-    own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int32)))  # own positions before p
-    actions[block_read_ends - 1] |= 2
-    held = own_before[np.minimum(own, read_end)] - own_before[np.minimum(own - own % window, read_end)]
-    return _WindowPlan(keep.tobytes(), index, blocks, actions.tobytes(), held.astype(np.int64))
 
 
 def _argsort_rows(keys: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
