@@ -223,8 +223,15 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             blocks = self._window_blocks(length, total, window, digest, generator)
         for block in blocks:
             if self.record_yielded:
-                block = list(block)  # blocks may be one-shot iterators
-                self.yielded.extend(block)
+                recorded: List[T] = []  # blocks may be one-shot iterators: keep what they yield
+                try:
+                    recorded.extend(block)  # a C dealer's error comes after its complete rounds or windows:
+                except Exception:  # yield those first, as unrecorded iteration would
+                    self.yielded.extend(recorded)
+                    yield recorded
+                    raise
+                self.yielded.extend(recorded)
+                block = recorded
             yield block
             del block  # consumed: free it (and what it refers to) before the next block is made
         self._epoch_digest = digest.snapshot()

@@ -162,8 +162,9 @@ class Declared:
 @pytest.mark.parametrize("actual", [2000, 1200, 1201, 2600, -1201])  # right, short at a round's end and inside it,
 @pytest.mark.parametrize("world", [2, 3])  # long, and failing (-) at item 1201
 @pytest.mark.parametrize("shuffle_window", [0, 1, 16])  # 0: unshuffled
+@pytest.mark.parametrize("record", [False, True])  # record_yielded, as evaluation loaders use it
 def test_dealing_is_the_same_on_both_paths(
-    monkeypatch: pytest.MonkeyPatch, actual: int, world: int, shuffle_window: int
+    monkeypatch: pytest.MonkeyPatch, actual: int, world: int, shuffle_window: int, record: bool
 ) -> None:
     """Shares, digests, and for a wrong __len__ or a failing sampler the error and the number of items each
     rank yielded before it, which must be the same on every rank (or DDP hangs)."""
@@ -176,6 +177,7 @@ def test_dealing_is_the_same_on_both_paths(
         outcomes = []
         for rank in range(world):
             wrapper = DistributedBatchSamplerWrapper(source, num_replicas=world, rank=rank, **options)
+            wrapper.record_yielded = record
             yielded: List[Any] = []
             try:
                 yielded.extend(wrapper)
@@ -183,6 +185,7 @@ def test_dealing_is_the_same_on_both_paths(
                 outcomes.append((str(error), len(yielded)))
             else:
                 outcomes.append((yielded, wrapper.epoch_digest))
+            assert wrapper.yielded == (yielded if record else [])  # recording neither adds nor loses items
         return outcomes
 
     compiled = deal()
