@@ -77,190 +77,6 @@ exact_int_value(PyObject *value, int *overflow)
     return PyLong_AsLongLongAndOverflow(value, overflow);
 }
 
-/* Write items[0:size] to out and return 0 if all are exact ints in the int64 range; otherwise return -1
- * (no exception set). */
-static int
-pack_ints(PyObject **items, Py_ssize_t size, long long *out)
-{
-    for (Py_ssize_t i = 0; i < size; i++) {
-        int overflow;
-        if (!PyLong_CheckExact(items[i])) {
-            return -1;
-        }
-        out[i] = exact_int_value(items[i], &overflow);
-        if (overflow) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* A growable buffer of int64, freed by the caller. */
-typedef struct {
-    long long *data;
-    Py_ssize_t size, capacity;
-} Int64Buffer;
-
-static int
-reserve(Int64Buffer *buffer, Py_ssize_t extra)
-{
-    if (extra <= buffer->capacity - buffer->size) {
-        return 0;
-    }
-    Py_ssize_t capacity = buffer->capacity < 1024 ? 1024 : buffer->capacity;
-    while (capacity - buffer->size < extra) {
-        if (capacity > PY_SSIZE_T_MAX / 16) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        capacity *= 2;
-    }
-    long long *data = PyMem_Realloc(buffer->data, (size_t)capacity * sizeof(long long));
-    if (data == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    buffer->data = data;
-    buffer->capacity = capacity;
-    return 0;
-}
-
-/* Append the indices of one item: exact ints (or lists and tuples of them) directly, anything else through
- * convert(item), the pure-Python path, which returns their int64 bytes or raises the error users see. */
-static Py_ssize_t
-store_item(Int64Buffer *buffer, PyObject *item, int batched, PyObject *convert)
-{
-    Py_ssize_t size = 1;
-    PyObject **items = &item;
-    if (batched) {
-        items = sequence_items(item, &size);
-    }
-    if (items != NULL) {
-        if (reserve(buffer, size) < 0) {
-            return -1;
-        }
-        if (pack_ints(items, size, buffer->data + buffer->size) == 0) {
-            buffer->size += size;
-            return size;
-        }
-        /* a float, a bool, a numpy integer, or an int past int64: convert decides */
-    }
-    PyObject *converted = PyObject_CallOneArg(convert, item);
-    if (converted == NULL) {
-        return -1;
-    }
-    if (!PyBytes_Check(converted) || PyBytes_GET_SIZE(converted) % 8 != 0) {
-        PyErr_SetString(PyExc_TypeError, "convert must return the item's indices as int64 bytes");
-        Py_DECREF(converted);
-        return -1;
-    }
-    size = PyBytes_GET_SIZE(converted) / 8;
-    if (reserve(buffer, size) < 0) {
-        Py_DECREF(converted);
-        return -1;
-    }
-    memcpy(buffer->data + buffer->size, PyBytes_AS_STRING(converted), (size_t)size * 8);
-    buffer->size += size;
-    Py_DECREF(converted);
-    return size;
-}
-
-/* The buffer's values as bytes: 4 per value where narrow and all of them fit in int32, else 8. */
-static PyObject *
-narrow_bytes(const Int64Buffer *buffer, int narrow)
-{
-    for (Py_ssize_t i = 0; narrow && i < buffer->size; i++) {
-        narrow = buffer->data[i] >= INT32_MIN && buffer->data[i] <= INT32_MAX;
-    }
-    if (!narrow) {
-        return PyBytes_FromStringAndSize((const char *)buffer->data, buffer->size * 8);
-    }
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, buffer->size * 4);
-    if (packed != NULL) {
-        int32_t *out = (int32_t *)PyBytes_AS_STRING(packed);
-        for (Py_ssize_t i = 0; i < buffer->size; i++) {
-            out[i] = (int32_t)buffer->data[i];
-        }
-    }
-    return packed;
-}
-
-PyDoc_STRVAR(read_doc,
-"read(items, actions, batched, convert, narrow) -> (packed, itemsize, lengths, kept, count)\n\n"
-"Take up to len(actions) items from the iterator items, and act on item i as actions[i] says: bit 1 packs\n"
-"its indices (concatenated into packed, native integers of itemsize bytes, with one entry per packed item\n"
-"in lengths when batched), bit 2 keeps the object (in kept). itemsize is 4 when narrow is true and every\n"
-"packed index fits in int32, else 8. count is how many items were taken: fewer than len(actions) when the\n"
-"iterator ran out. Every item is released as soon as it was handled, so the sampler's next item reuses its\n"
-"memory while it is still in the caches.");
-
-static PyObject *
-compact_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "read(items, actions, batched, convert, narrow) takes 5 arguments");
-        return NULL;
-    }
-    PyObject *iterator = args[0], *convert = args[3];
-    if (!PyIter_Check(iterator)) {
-        PyErr_SetString(PyExc_TypeError, "items must be an iterator");
-        return NULL;
-    }
-    int batched = PyObject_IsTrue(args[2]), narrow = PyObject_IsTrue(args[4]);
-    if (batched < 0 || narrow < 0) {
-        return NULL;
-    }
-    Py_buffer actions;
-    if (PyObject_GetBuffer(args[1], &actions, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    const unsigned char *action = actions.buf;
-    Int64Buffer buffer = {NULL, 0, 0};
-    PyObject *lengths = PyList_New(0), *kept = PyList_New(0), *result = NULL;
-    Py_ssize_t count = 0;
-    if (lengths == NULL || kept == NULL) {
-        goto done;
-    }
-    for (; count < actions.len; count++) {
-        PyObject *item = PyIter_Next(iterator);
-        if (item == NULL) {
-            if (PyErr_Occurred()) {
-                goto done;
-            }
-            break;
-        }
-        int failed = 0;
-        if (action[count] & 1) {
-            Py_ssize_t size = store_item(&buffer, item, batched, convert);
-            failed = size < 0;
-            if (!failed && batched) {
-                PyObject *length = PyLong_FromSsize_t(size);
-                failed = length == NULL || PyList_Append(lengths, length) < 0;
-                Py_XDECREF(length);
-            }
-        }
-        if (!failed && (action[count] & 2)) {
-            failed = PyList_Append(kept, item) < 0;
-        }
-        Py_DECREF(item);
-        if (failed) {
-            goto done;
-        }
-    }
-    PyObject *packed = narrow_bytes(&buffer, narrow);
-    if (packed != NULL) {
-        result = Py_BuildValue("(NnOOn)", packed, PyBytes_GET_SIZE(packed) == buffer.size * 4 ? 4 : 8, lengths,
-                               kept, count);
-    }
-done:
-    PyMem_Free(buffer.data);
-    Py_XDECREF(lengths);
-    Py_XDECREF(kept);
-    PyBuffer_Release(&actions);
-    return result;
-}
-
 /* New lists of ints with the values of an int32 or an int64 array. */
 #define DEFINE_LIST_OF(name, type)                                  \
     static PyObject *                                               \
@@ -280,70 +96,379 @@ done:
 DEFINE_LIST_OF(int32_list, int32_t)
 DEFINE_LIST_OF(int64_list, long long)
 
-PyDoc_STRVAR(lists_doc,
-"lists(flat, offsets, slots) -> list\n\n"
-"For each slot s, flat[offsets[s]:offsets[s + 1]] as a list of ints. flat is an int32 or int64 buffer,\n"
-"offsets and slots are int64 buffers.");
+/* Store(batched, convert, expected): the C half of _store.CompactStore. read() packs the indices of the items
+ * it stores straight from the sampler's stream into one array, int32 while every index fits and int64 from
+ * the first that does not, with the end of each item; lists() rebuilds items as new lists of ints. Nothing
+ * is copied between reads, and expected (how many items will be stored) sizes the array from the first
+ * items' lengths, so it is allocated about once and its pages are touched once. Items that are not exact
+ * ints (or exact lists or tuples of them) go through convert(item), the pure-Python path, which returns
+ * their indices as int64 bytes or raises the error users see. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *convert;
+    int batched, wide;
+    char *values;                     /* int32_t, or long long where wide */
+    Py_ssize_t size, capacity;        /* in values */
+    long long *ends;                  /* ends[i + 1]: where item i ends in values; ends[0] = 0 */
+    Py_ssize_t items, ends_capacity;  /* items stored; entries of ends */
+    Py_ssize_t expected;
+} StoreObject;
+
+/* Room for extra more values: as many as the items so far project for the expected items, else 1/8 more. */
+static int
+store_reserve(StoreObject *self, Py_ssize_t extra)
+{
+    if (extra <= self->capacity - self->size) {
+        return 0;
+    }
+    if (extra > PY_SSIZE_T_MAX / 32 - self->size) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t needed = self->size + extra, capacity = needed + needed / 8;
+    if (self->items > 0 && self->items < self->expected) {
+        double projected = (double)needed / (double)(self->items + 1) * (double)self->expected;
+        if (projected > (double)capacity && projected < (double)(PY_SSIZE_T_MAX / 32)) {
+            capacity = (Py_ssize_t)projected;
+        }
+    }
+    /* Large blocks come from mmap, where growing remaps pages instead of copying them. */
+    char *values = PyMem_Realloc(self->values, (size_t)capacity * (self->wide ? 8 : 4));
+    if (values == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->values = values;
+    self->capacity = capacity;
+    return 0;
+}
+
+/* Hold the values as int64 from now on. */
+static int
+store_widen(StoreObject *self)
+{
+    long long *wide = PyMem_Malloc((size_t)(self->capacity > 0 ? self->capacity : 1) * 8);
+    if (wide == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const int32_t *narrow = (const int32_t *)self->values;
+    for (Py_ssize_t i = 0; i < self->size; i++) {
+        wide[i] = narrow[i];
+    }
+    PyMem_Free(self->values);
+    self->values = (char *)wide;
+    self->wide = 1;
+    return 0;
+}
+
+/* Append the values of items[0:count] if all are exact ints in the int64 range and return 0; return 1 (nothing
+ * appended, no exception set) for anything else, -1 on error. */
+static int
+store_pack(StoreObject *self, PyObject **items, Py_ssize_t count)
+{
+    if (store_reserve(self, count) < 0) {
+        return -1;
+    }
+    int overflow;
+    Py_ssize_t i = 0;
+    if (!self->wide) {
+        int32_t *out = (int32_t *)self->values + self->size;
+        for (; i < count; i++) {
+            if (!PyLong_CheckExact(items[i])) {
+                return 1;
+            }
+            long long value = exact_int_value(items[i], &overflow);
+            if (overflow) {
+                return 1;
+            }
+            if (value < INT32_MIN || value > INT32_MAX) {
+                break;
+            }
+            out[i] = (int32_t)value;
+        }
+        if (i == count) {
+            self->size += count;
+            return 0;
+        }
+        if (store_widen(self) < 0) {
+            return -1;
+        }
+    }
+    long long *out = (long long *)self->values + self->size;
+    for (i = 0; i < count; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            return 1;
+        }
+        out[i] = exact_int_value(items[i], &overflow);
+        if (overflow) {
+            return 1;
+        }
+    }
+    self->size += count;
+    return 0;
+}
+
+/* Append the int64 values convert(item) returns. */
+static int
+store_converted(StoreObject *self, PyObject *item)
+{
+    PyObject *converted = PyObject_CallOneArg(self->convert, item);
+    if (converted == NULL) {
+        return -1;
+    }
+    if (!PyBytes_Check(converted) || PyBytes_GET_SIZE(converted) % 8 != 0) {
+        PyErr_SetString(PyExc_TypeError, "convert must return the item's indices as int64 bytes");
+        Py_DECREF(converted);
+        return -1;
+    }
+    Py_ssize_t count = PyBytes_GET_SIZE(converted) / 8;
+    const char *bytes = PyBytes_AS_STRING(converted);
+    int failed = store_reserve(self, count) < 0;
+    for (Py_ssize_t i = 0; !failed && !self->wide && i < count; i++) {
+        long long value;
+        memcpy(&value, bytes + 8 * i, 8);
+        if (value < INT32_MIN || value > INT32_MAX) {
+            failed = store_widen(self) < 0;
+        }
+    }
+    for (Py_ssize_t i = 0; !failed && i < count; i++) {
+        long long value;
+        memcpy(&value, bytes + 8 * i, 8);
+        if (self->wide) {
+            ((long long *)self->values)[self->size + i] = value;
+        }
+        else {
+            ((int32_t *)self->values)[self->size + i] = (int32_t)value;
+        }
+    }
+    Py_DECREF(converted);
+    if (failed) {
+        return -1;
+    }
+    self->size += count;
+    return 0;
+}
+
+/* Store one item: its values, and where batched, its end. */
+static int
+store_item(StoreObject *self, PyObject *item)
+{
+    Py_ssize_t count = 1;
+    PyObject **items = self->batched ? sequence_items(item, &count) : &item;
+    int packed = items == NULL ? 1 : store_pack(self, items, count);
+    if (packed == 1) {
+        packed = store_converted(self, item); /* a float, a bool, a numpy integer, or an int past int64 */
+    }
+    if (packed < 0) {
+        return -1;
+    }
+    if (self->batched) {
+        if (self->items + 1 == self->ends_capacity) {
+            Py_ssize_t capacity = self->items < self->expected ? self->expected + 1 : self->items + self->items / 2 + 2;
+            long long *ends = PyMem_Realloc(self->ends, (size_t)capacity * sizeof(long long));
+            if (ends == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            self->ends = ends;
+            self->ends_capacity = capacity;
+        }
+        self->ends[self->items + 1] = self->size;
+    }
+    self->items++;
+    return 0;
+}
 
 static PyObject *
-compact_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "lists(flat, offsets, slots) takes 3 arguments");
+    int batched;
+    PyObject *convert;
+    Py_ssize_t expected = 0;
+    static char *keywords[] = {"batched", "convert", "expected", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "pO|n:Store", keywords, &batched, &convert, &expected)) {
         return NULL;
     }
-    Py_buffer flat_view, offsets_view, slots_view;
-    if (get_index_buffer(args[0], &flat_view, "flat", 1) < 0) {
+    if (!PyCallable_Check(convert)) {
+        PyErr_SetString(PyExc_TypeError, "convert must be callable");
         return NULL;
     }
-    if (get_index_buffer(args[1], &offsets_view, "offsets", 0) < 0) {
-        PyBuffer_Release(&flat_view);
+    StoreObject *self = (StoreObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
         return NULL;
     }
-    if (get_index_buffer(args[2], &slots_view, "slots", 0) < 0) {
-        PyBuffer_Release(&flat_view);
-        PyBuffer_Release(&offsets_view);
+    self->ends = PyMem_Malloc(sizeof(long long));
+    if (self->ends == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    self->ends[0] = 0;
+    self->ends_capacity = 1;
+    Py_INCREF(convert);
+    self->convert = convert;
+    self->batched = batched;
+    self->expected = expected;
+    return (PyObject *)self;
+}
+
+static int
+store_traverse(StoreObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->convert);
+    return 0;
+}
+
+static void
+store_dealloc(StoreObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_XDECREF(self->convert);
+    PyMem_Free(self->values);
+    PyMem_Free(self->ends);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t
+store_length(StoreObject *self)
+{
+    return self->items;
+}
+
+PyDoc_STRVAR(store_read_doc,
+"read(items, actions) -> (kept, count)\n\n"
+"Take up to len(actions) items from the iterator items, and act on item i as actions[i] says: bit 1 stores\n"
+"it, bit 2 keeps the object (in kept). count is how many items were taken: fewer than len(actions) when the\n"
+"iterator ran out. Every item is released as soon as it was handled, so the sampler's next item reuses its\n"
+"memory while it is still in the caches.");
+
+static PyObject *
+store_read(StoreObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read(items, actions) takes 2 arguments");
         return NULL;
     }
-    const long long *offsets = offsets_view.buf, *slots = slots_view.buf;
-    const int narrow = flat_view.itemsize == 4;
-    Py_ssize_t flat_size = flat_view.len / flat_view.itemsize, slot_count = offsets_view.len / 8 - 1;
-    Py_ssize_t count = slots_view.len / 8;
-    /* Slots come in random order: ask for all their memory first, so the cache misses overlap. */
-    for (Py_ssize_t i = 0; i < count; i++) {
-        long long slot = slots[i];
-        if (slot >= 0 && slot < slot_count && offsets[slot] >= 0 && offsets[slot + 1] <= flat_size) {
-            const char *first = (const char *)flat_view.buf + offsets[slot] * flat_view.itemsize;
-            const char *end = (const char *)flat_view.buf + offsets[slot + 1] * flat_view.itemsize;
-            for (const char *line = first; line < end; line += 64) {
-                __builtin_prefetch(line);
+    PyObject *iterator = args[0];
+    if (!PyIter_Check(iterator)) {
+        PyErr_SetString(PyExc_TypeError, "items must be an iterator");
+        return NULL;
+    }
+    Py_buffer actions;
+    if (PyObject_GetBuffer(args[1], &actions, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *action = actions.buf;
+    PyObject *kept = PyList_New(0), *result = NULL;
+    Py_ssize_t count = 0;
+    for (; kept != NULL && count < actions.len; count++) {
+        PyObject *item = PyIter_Next(iterator);
+        if (item == NULL) {
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            break;
+        }
+        int failed = (action[count] & 1) && store_item(self, item) < 0;
+        failed = failed || ((action[count] & 2) && PyList_Append(kept, item) < 0);
+        Py_DECREF(item);
+        if (failed) {
+            goto done;
+        }
+    }
+    if (kept != NULL) {
+        result = Py_BuildValue("(On)", kept, count);
+    }
+done:
+    Py_XDECREF(kept);
+    PyBuffer_Release(&actions);
+    return result;
+}
+
+PyDoc_STRVAR(store_lists_doc,
+"lists(slots) -> list\n\n"
+"The stored items numbered slots (an int64 buffer), rebuilt: new lists of ints where batched, else ints.");
+
+static PyObject *
+store_lists(StoreObject *self, PyObject *slots_object)
+{
+    Py_buffer view;
+    if (get_index_buffer(slots_object, &view, "slots", 0) < 0) {
+        return NULL;
+    }
+    const long long *slots = view.buf;
+    Py_ssize_t count = view.len / 8, itemsize = self->wide ? 8 : 4;
+    if (self->batched) {
+        /* Slots come in random order: ask for all their memory first, so the cache misses overlap. */
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (slots[i] >= 0 && slots[i] < self->items) {
+                const char *end = self->values + self->ends[slots[i] + 1] * itemsize;
+                for (const char *line = self->values + self->ends[slots[i]] * itemsize; line < end; line += 64) {
+                    __builtin_prefetch(line);
+                }
             }
         }
     }
     PyObject *result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
         long long slot = slots[i];
-        if (slot < 0 || slot >= slot_count || offsets[slot] < 0 || offsets[slot] > offsets[slot + 1]
-            || offsets[slot + 1] > flat_size) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is out of range or has bad offsets", slot);
+        if (slot < 0 || slot >= self->items) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is out of range: the store holds %zd items", slot, self->items);
             Py_CLEAR(result);
             break;
         }
-        Py_ssize_t start = (Py_ssize_t)offsets[slot], size = (Py_ssize_t)(offsets[slot + 1] - offsets[slot]);
-        PyObject *batch = narrow ? int32_list((const int32_t *)flat_view.buf + start, size)
-                                 : int64_list((const long long *)flat_view.buf + start, size);
-        if (batch == NULL) {
+        Py_ssize_t start = self->batched ? (Py_ssize_t)self->ends[slot] : (Py_ssize_t)slot;
+        Py_ssize_t size = self->batched ? (Py_ssize_t)(self->ends[slot + 1] - start) : 1;
+        PyObject *item = self->wide ? int64_list((const long long *)self->values + start, size)
+                                    : int32_list((const int32_t *)self->values + start, size);
+        if (item != NULL && !self->batched) {
+            PyObject *index = PyList_GET_ITEM(item, 0);
+            Py_INCREF(index);
+            Py_SETREF(item, index);
+        }
+        if (item == NULL) {
             Py_CLEAR(result);
             break;
         }
-        PyList_SET_ITEM(result, i, batch);
+        PyList_SET_ITEM(result, i, item);
     }
-    PyBuffer_Release(&flat_view);
-    PyBuffer_Release(&offsets_view);
-    PyBuffer_Release(&slots_view);
+    PyBuffer_Release(&view);
     return result;
 }
+
+static PyObject *
+store_itemsize(StoreObject *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->wide ? 8 : 4);
+}
+
+static PyMethodDef store_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))store_read, METH_FASTCALL, store_read_doc},
+    {"lists", (PyCFunction)store_lists, METH_O, store_lists_doc},
+    {NULL},
+};
+
+static PyGetSetDef store_getset[] = {
+    {"itemsize", (getter)store_itemsize, NULL, "bytes per stored index: 4 while every index fits in int32, then 8", NULL},
+    {NULL},
+};
+
+static PySequenceMethods store_as_sequence = {.sq_length = (lenfunc)store_length};
+
+static PyTypeObject StoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "lightning_ddp_ext._compact.Store",
+    .tp_basicsize = sizeof(StoreObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = PyDoc_STR("Store(batched, convert, expected=0): items' indices, packed (see _compact.c)."),
+    .tp_new = store_new,
+    .tp_dealloc = (destructor)store_dealloc,
+    .tp_traverse = (traverseproc)store_traverse,
+    .tp_methods = store_methods,
+    .tp_getset = store_getset,
+    .tp_as_sequence = &store_as_sequence,
+};
 
 /* Dealer(items, world, rank): iterate items a round of world at a time and yield each complete round's item
  * at rank, releasing the others at once; a round the iterator does not finish yields nothing. What
@@ -615,26 +740,20 @@ static PyTypeObject WindowDealerType = {
     .tp_members = window_dealer_members,
 };
 
-static PyMethodDef compact_methods[] = {
-    {"read", (PyCFunction)(void (*)(void))compact_read, METH_FASTCALL, read_doc},
-    {"lists", (PyCFunction)(void (*)(void))compact_lists, METH_FASTCALL, lists_doc},
-    {NULL, NULL, 0, NULL},
-};
-
 static struct PyModuleDef compact_module = {
-    PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0,
-    compact_methods,
+    PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0, NULL,
 };
 
 PyMODINIT_FUNC
 PyInit__compact(void)
 {
-    if (PyType_Ready(&DealerType) < 0 || PyType_Ready(&WindowDealerType) < 0) {
+    if (PyType_Ready(&StoreType) < 0 || PyType_Ready(&DealerType) < 0 || PyType_Ready(&WindowDealerType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&compact_module);
     if (module != NULL
-        && (PyModule_AddType(module, &DealerType) < 0 || PyModule_AddType(module, &WindowDealerType) < 0)) {
+        && (PyModule_AddType(module, &StoreType) < 0 || PyModule_AddType(module, &DealerType) < 0
+            || PyModule_AddType(module, &WindowDealerType) < 0)) {
         Py_CLEAR(module);
     }
     return module;

@@ -9,10 +9,10 @@ the kernel must zero on first touch (at 1e6 batches of 64 that alone is a tenth 
 Converting is most of what storing costs: ``array.fromlist`` and ``memoryview.tolist`` take longer per index
 than a cheap user sampler takes to make it, and holding a block of the sampler's lists until they are
 converted pushes its allocations out of the caches. The optional C helper ``_compact`` (built by setup.py
-where a compiler is found) reads the sampler's stream itself, packs each item as it arrives and releases it,
-and rebuilds batches with plain int allocations. It takes only exact ints and exact lists or tuples of them;
-it hands anything else to :meth:`CompactStore._convert`, so both paths store the same indices and raise the
-same errors.
+where a compiler is found) has its own store, ``_compact.Store``: it reads the sampler's stream itself, packs
+each item straight into its array as it arrives and releases it, and rebuilds batches with plain int
+allocations. It takes only exact ints and exact lists or tuples of them; it hands anything else to the same
+converter as the pure-Python path, so both paths store the same indices and raise the same errors.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import operator
 from array import array
 from itertools import accumulate, chain, compress, islice
 from operator import length_hint
-from typing import Any, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,16 +43,26 @@ class CompactStore:
     Args:
         batched: True when every item is a sequence of indices, False when items are single indices.
         owner: name of the sampler the items come from, for error messages.
+        expected: how many items will be stored, if known: the C store sizes its array from it.
     """
 
-    def __init__(self, batched: bool, owner: str) -> None:
+    def __init__(self, batched: bool, owner: str, expected: int = 0) -> None:
         self._batched = batched
-        self._owner = owner
-        self._flat = array("i")  # int32 until an index needs more (see _widen)
+        self._convert = _converter(batched, owner)
+        # With the helper the C store holds everything; expected (how many items will be stored) sizes it.
+        self._native = _compact.Store(batched, self._convert, expected) if _compact is not None else None
+        self._flat = array("i")  # int32 until an index needs more (see _widen); pure-Python path only
         self._offsets = array("q", [0])
 
     def __len__(self) -> int:
+        if self._native is not None:
+            return len(self._native)
         return len(self._offsets) - 1 if self._batched else len(self._flat)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored index: 4 while every index fits in int32, 8 after."""
+        return self._native.itemsize if self._native is not None else self._flat.itemsize
 
     def read(self, items: Iterator[Any], actions: bytes) -> Tuple[List[Any], int]:
         """Take up to ``len(actions)`` items from ``items`` and act on item ``i`` as ``actions[i]`` says:
@@ -61,15 +71,8 @@ class CompactStore:
         Returns the kept items and how many items were taken (fewer than ``len(actions)`` only when
         ``items`` ran out).
         """
-        if _compact is not None:
-            narrow = self._flat.itemsize == 4
-            packed, itemsize, lengths, kept, count = _compact.read(items, actions, self._batched, self._convert, narrow)
-            if itemsize > self._flat.itemsize:
-                self._widen()
-            self._flat.frombytes(packed)
-            if self._batched:
-                self._append_offsets(lengths)
-            return kept, count
+        if self._native is not None:
+            return self._native.read(items, actions)
         selectors = iter(actions)
         picked = list(compress(islice(items, len(actions)), selectors))  # steps `selectors` once per item
         count = len(actions) - length_hint(selectors)
@@ -114,32 +117,20 @@ class CompactStore:
         """Record the ends of batches of ``lengths`` indices, appended to the flat array in that order."""
         self._offsets.extend(islice(accumulate(lengths, initial=self._offsets[-1]), 1, None))
 
-    def _convert(self, item: Any) -> bytes:
-        """One item's indices as int64 bytes, or a TypeError naming the item (the general, slow path)."""
-        try:
-            if not self._batched:
-                return array("q", [operator.index(item)]).tobytes()
-            if isinstance(item, (str, bytes)):
-                raise TypeError
-            # operator.index, not int(): a float or a string is refused, never truncated or parsed
-            return array("q", map(operator.index, item)).tobytes()
-        except (TypeError, ValueError, OverflowError):
-            expected = "a sequence of integer indices" if self._batched else "an integer index"
-            raise TypeError(f"{self._owner} yielded {item!r}; each item must be {expected}.") from None
-
     def blocks_in_order(self, order: np.ndarray[Any, Any], block_size: int = 1024) -> Iterator[Iterable[Any]]:
         """The items at insertion numbers ``order``, a block at a time: each batch is rebuilt as a list of ints
         only when its block is reached, so the rebuilt lists never pile up."""
+        if self._native is not None:
+            slots = np.ascontiguousarray(order, dtype=np.int64)
+            step = _REBUILD_BLOCK if self._batched else block_size
+            for start in range(0, len(slots), step):
+                yield self._native.lists(slots[start : start + step])
+            return
         flat = self._flat
         if not self._batched:
             values = np.frombuffer(flat, dtype=flat.typecode)
             for start in range(0, len(order), block_size):
                 yield values[order[start : start + block_size]].tolist()
-            return
-        if _compact is not None:
-            slots = np.ascontiguousarray(order, dtype=np.int64)
-            for start in range(0, len(slots), _REBUILD_BLOCK):
-                yield _compact.lists(flat, self._offsets, slots[start : start + _REBUILD_BLOCK])
             return
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
         view = memoryview(flat)
@@ -147,3 +138,23 @@ class CompactStore:
             slots = order[start : start + block_size]
             slices = map(slice, offsets[slots].tolist(), offsets[slots + 1].tolist())
             yield map(memoryview.tolist, map(view.__getitem__, slices))
+
+
+def _converter(batched: bool, owner: str) -> Callable[[Any], bytes]:
+    """The general, slow conversion of one item to its indices as int64 bytes, raising a TypeError that names
+    the item and the sampler (``owner``). A closure, not a method: the C store holds it, and a method would
+    tie the two in a reference cycle."""
+    expected = "a sequence of integer indices" if batched else "an integer index"
+
+    def convert(item: Any) -> bytes:
+        try:
+            if not batched:
+                return array("q", [operator.index(item)]).tobytes()
+            if isinstance(item, (str, bytes)):
+                raise TypeError
+            # operator.index, not int(): a float or a string is refused, never truncated or parsed
+            return array("q", map(operator.index, item)).tobytes()
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"{owner} yielded {item!r}; each item must be {expected}.") from None
+
+    return convert

@@ -428,14 +428,16 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         # The store holds each needed source once, in reading order: a source's slot is its rank among them.
         actions = np.zeros(length, dtype=np.uint8)
         actions[own_sources] = STORE
-        slot_of_position = (np.cumsum(actions, dtype=np.int64) - 1)[own_sources]
+        stored = np.cumsum(actions, dtype=np.int64)
+        slot_of_position = (stored - 1)[own_sources]
         block_starts = np.arange(0, length, _READ_BLOCK)
         block_ends = np.minimum(block_starts + _READ_BLOCK, length)
         actions[:_HEAD_ITEMS] |= KEEP  # the digest's head, and
         actions[block_ends - 1] |= KEEP  # its sample: each block's last item
         action_bytes = actions.tobytes()
         items = iter(self.source)
-        store = CompactStore(batched=self._batched, owner=self._source_name)
+        store = CompactStore(batched=self._batched, owner=self._source_name, expected=int(stored[-1]))
+        del stored
         for start, end in zip(block_starts.tolist(), block_ends.tolist()):
             kept, count = store.read(items, action_bytes[start:end])
             if count < end - start:

@@ -101,12 +101,12 @@ def test_indices_are_held_as_int32_until_one_needs_int64(path: str, batched: boo
     store = CompactStore(batched=batched, owner="Sampler")
     items: List[Any] = [[value, value] for value in edges] if batched else edges
     store.read(iter(items), bytes([STORE]) * len(items))
-    assert store._flat.itemsize == 4
+    assert store.itemsize == 4
     for value in wide:
         later = [[1, value], [3]] if batched else [1, value, 3]
         store.read(iter(later), bytes([STORE]) * len(later))
         items += later
-        assert store._flat.itemsize == 8
+        assert store.itemsize == 8
     assert stored(store) == items
 
 
@@ -243,21 +243,45 @@ def test_the_window_dealer_yields_complete_windows_in_the_given_order() -> None:
         compact.WindowDealer("abcd", actions[:4], order, 4)
 
 
-def test_the_helper_checks_its_buffers_and_slots() -> None:
+def test_the_c_store_checks_its_arguments() -> None:
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    flat, offsets = array("q", [1, 2, 3]), array("q", [0, 2, 3])
-    assert compact.lists(flat, offsets, np.array([1, 0])) == [[3], [1, 2]]
-    with pytest.raises(IndexError, match="slot 2"):
-        compact.lists(flat, offsets, np.array([2]))
+    def refuse(item: Any) -> bytes:
+        raise ValueError("sampler broke")
+
+    store = compact.Store(True, refuse)
+    assert store.read(iter([[1, 2], (3,)]), bytes([STORE, STORE])) == ([], 2)
+    assert store.lists(np.array([1, 0])) == [[3], [1, 2]]
+    with pytest.raises(IndexError, match="slot 2 is out of range: the store holds 2 items"):
+        store.lists(np.array([2]))
     with pytest.raises(IndexError, match="slot -1"):
-        compact.lists(flat, offsets, np.array([-1]))
-    with pytest.raises(IndexError, match="bad offsets"):
-        compact.lists(flat, array("q", [0, 5]), np.array([0]))
+        store.lists(np.array([-1]))
     with pytest.raises(TypeError, match="slots must be a contiguous buffer of int64"):
-        compact.lists(flat, offsets, np.array([0], dtype=np.int32))
+        store.lists(np.array([0], dtype=np.int32))
     with pytest.raises(TypeError, match="items must be an iterator"):
-        compact.read([[0]], bytes([STORE]), True, bytes, True)
-    with pytest.raises(TypeError, match="flat must be a contiguous buffer of int64 or int32"):
-        compact.lists(array("h", [1]), array("q", [0, 1]), np.array([0]))
+        store.read([[0]], bytes([STORE]))
+    with pytest.raises(ValueError, match="sampler broke"):  # what convert raises (the users' error) propagates
+        store.read(iter([[1.5]]), bytes([STORE]))
+    with pytest.raises(TypeError, match="convert must return the item's indices as int64 bytes"):
+        compact.Store(False, lambda item: b"abc").read(iter([1.5]), bytes([STORE]))
+    with pytest.raises(TypeError, match="convert must be callable"):
+        compact.Store(True, None)
+    assert len(store) == 2  # failed reads stored nothing
+
+
+@pytest.mark.parametrize("expected", [0, 1, 50, 10_000])
+def test_the_c_store_holds_any_number_of_items_whatever_it_expected(expected: int) -> None:
+    """expected only sizes the array: fewer or more items, and items longer than the first ones, still fit."""
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    batches = [list(range(i, i + 1 + i % 7)) for i in range(300)] + [list(range(5000))]
+    store = compact.Store(True, bytes, expected)
+    for start in range(0, len(batches), 64):
+        block = batches[start : start + 64]
+        store.read(iter(block), bytes([STORE]) * len(block))
+    assert store.lists(np.arange(len(batches))) == batches
+    singles = compact.Store(False, bytes, expected)
+    singles.read(iter(range(-5, 1000)), bytes([STORE]) * 1005)
+    assert singles.lists(np.array([1004, 0])) == [999, -5]
