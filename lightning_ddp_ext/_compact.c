@@ -470,97 +470,12 @@ static PyTypeObject StoreType = {
     .tp_as_sequence = &store_as_sequence,
 };
 
-/* Dealer(items, world, rank): iterate items a round of world at a time and yield each complete round's item
- * at rank, releasing the others at once; a round the iterator does not finish yields nothing. What
- * map(itemgetter(rank), zip(*[iter(items)] * world)) does, without holding a tuple of the round. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *source;
-    Py_ssize_t world, rank;
-} DealerObject;
-
-static PyObject *
-dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *items;
-    Py_ssize_t world, rank;
-    static char *keywords[] = {"items", "world", "rank", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onn:Dealer", keywords, &items, &world, &rank)) {
-        return NULL;
-    }
-    if (world < 1 || rank < 0 || rank >= world) {
-        PyErr_Format(PyExc_ValueError, "Dealer needs world >= 1 and 0 <= rank < world, got world=%zd rank=%zd",
-                     world, rank);
-        return NULL;
-    }
-    PyObject *source = PyObject_GetIter(items);
-    if (source == NULL) {
-        return NULL;
-    }
-    DealerObject *self = (DealerObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        Py_DECREF(source);
-        return NULL;
-    }
-    self->source = source;
-    self->world = world;
-    self->rank = rank;
-    return (PyObject *)self;
-}
-
-static int
-dealer_traverse(DealerObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->source);
-    return 0;
-}
-
-static void
-dealer_dealloc(DealerObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    Py_XDECREF(self->source);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *
-dealer_next(DealerObject *self)
-{
-    PyObject *own = NULL;
-    for (Py_ssize_t i = 0; i < self->world; i++) {
-        PyObject *item = PyIter_Next(self->source);
-        if (item == NULL) {  /* exhausted (or failed) inside the round: the round yields nothing */
-            Py_XDECREF(own);
-            return NULL;
-        }
-        if (i == self->rank) {
-            own = item;
-        }
-        else {
-            Py_DECREF(item);
-        }
-    }
-    return own;
-}
-
-static PyTypeObject DealerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "lightning_ddp_ext._compact.Dealer",
-    .tp_basicsize = sizeof(DealerObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = PyDoc_STR("Dealer(items, world, rank): the item at rank of every complete round of world items."),
-    .tp_new = dealer_new,
-    .tp_dealloc = (destructor)dealer_dealloc,
-    .tp_traverse = (traverseproc)dealer_traverse,
-    .tp_iter = PyObject_SelfIter,
-    .tp_iternext = (iternextfunc)dealer_next,
-};
-
 /* WindowDealer(items, actions, order, window): read items a window of `window` positions at a time, as
  * actions says per position (bit 1 holds the item for this rank, bit 2 appends it to .samples), and once a
  * window is complete yield its held items in the order given by `order` (per yield, the index of the item
  * among its window's held items, in reading order). A window the iterator does not finish yields nothing.
  * The windowed shuffle's blocks: a rank holds one window's items, not a block's, so they stay in the caches.
+ * Unshuffled dealing is the case of windows of one round, each holding the rank's own item.
  * .read counts the positions read, .samples holds the bit-2 items. */
 typedef struct {
     PyObject_HEAD
@@ -747,12 +662,12 @@ static struct PyModuleDef compact_module = {
 PyMODINIT_FUNC
 PyInit__compact(void)
 {
-    if (PyType_Ready(&StoreType) < 0 || PyType_Ready(&DealerType) < 0 || PyType_Ready(&WindowDealerType) < 0) {
+    if (PyType_Ready(&StoreType) < 0 || PyType_Ready(&WindowDealerType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&compact_module);
     if (module != NULL
-        && (PyModule_AddType(module, &StoreType) < 0 || PyModule_AddType(module, &DealerType) < 0
+        && (PyModule_AddType(module, &StoreType) < 0
             || PyModule_AddType(module, &WindowDealerType) < 0)) {
         Py_CLEAR(module);
     }

@@ -8,10 +8,6 @@ class Store:
     def read(self, items: Iterator[Any], actions: bytes) -> Tuple[List[Any], int]: ...
     def lists(self, slots: Any) -> List[Any]: ...  # slots: a C-contiguous int64 buffer
 
-class Dealer(Iterator[Any]):
-    def __init__(self, items: Iterable[Any], world: int, rank: int) -> None: ...
-    def __next__(self) -> Any: ...
-
 class WindowDealer(Iterator[Any]):
     read: int
     samples: List[Any]

@@ -18,7 +18,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-from itertools import chain, compress, count, islice
+from itertools import chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
 
@@ -270,22 +270,21 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
 
         Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
-        rounds in C (this rank's item of each complete round, the other ranks' items freed at once: the C
-        helper's ``Dealer``, or ``zip`` + ``itemgetter`` without it), with one round per chunk read in Python
-        and hashed, and the last round in Python (length check, padding). Only complete rounds yield, so
-        every rank yields the same number of items even when the sampler runs out early.
+        rounds a chunk at a time in C (this rank's item of each complete round, the other ranks' items freed at
+        once: the C helper's ``WindowDealer`` with windows of one round, or ``zip`` + ``itemgetter`` without
+        it), keeping each chunk's last round for the digest, and the last round in Python (length check,
+        padding). Only complete rounds yield, so every rank yields the same number of items even when the
+        sampler runs out early.
         """
         world, rank = self.num_replicas, self.rank
-        # compress() passes every item (count's values are all true) and steps `counter` once per item, in C.
-        counter = count(1)
-        counted = compress(self.source, counter)
+        items = iter(self.source)
         final_start = (total - 1) // world * world  # first position of the last round
         head_end = min(final_start, -(-_HEAD_ITEMS // world) * world)
         head: List[Any] = []
         for start, end in ((0, min(world, head_end)), (world, head_end)):  # one round first: a fast first item
             if end <= start:
                 continue
-            block = list(islice(counted, end - start))
+            block = list(islice(items, end - start))
             if len(block) < end - start:
                 raise self._mismatch(length, start + len(block))
             digest.update(block, start)
@@ -293,19 +292,30 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             self._head_digest = digest.snapshot()
             yield block[rank::world]
         compact = _store._compact
-        dealt = compact.Dealer(counted, world, rank) if compact else map(itemgetter(rank), zip(*[counted] * world))
+        full_chunk = _CHUNK_ROUNDS * world
+        chunk_actions = _round_actions(_CHUNK_ROUNDS, world, rank) if compact else b"\x01" * full_chunk
+        chunk_order = np.zeros(_CHUNK_ROUNDS, dtype=np.int64)  # a window of one round yields its only own item
         position = head_end
         while position < final_start:
-            chunk = min(_CHUNK_ROUNDS, (final_start - position) // world)
-            yield islice(dealt, chunk - 1)
-            last = tuple(islice(counted, world))
-            if len(last) < world:
-                raise self._mismatch(length, next(counter) - 1)
-            digest.include(last, position + (chunk - 1) * world)
-            position += chunk * world
-            yield (last[rank],)
-        final = list(islice(counted, max(0, length - final_start)))
-        self._check_exhausted(counted, final_start + len(final), length)
+            size = min(full_chunk, final_start - position)
+            if compact is not None:
+                actions = chunk_actions if size == full_chunk else _round_actions(size // world, world, rank)
+                dealer = compact.WindowDealer(items, actions, chunk_order, world)
+                yield dealer  # bit 2 keeps the chunk's last round for the digest
+                read, last = dealer.read, dealer.samples
+            else:
+                selectors = iter(chunk_actions[: size - world])  # all ones: compress keeps all, counting them
+                yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
+                last = list(islice(items, world))
+                read = size - world - length_hint(selectors) + len(last)
+            if read < size:
+                raise self._mismatch(length, position + read)
+            digest.include(last, position + size - world)
+            if compact is None:
+                yield (last[rank],)
+            position += size
+        final = list(islice(items, max(0, length - final_start)))
+        self._check_exhausted(items, final_start + len(final), length)
         digest.update(final, final_start)
         source_of_padding = head or final
         last_round = final[: total - final_start] + [
@@ -447,6 +457,15 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         digest.update((), length)
         self._head_digest = digest.snapshot()
         yield from store.blocks_in_order(slot_of_position)  # type: ignore[misc]
+
+
+def _round_actions(rounds: int, world: int, rank: int) -> bytes:
+    """``WindowDealer`` actions for ``rounds`` rounds of ``world`` positions: hold the item at ``rank`` of each
+    round (bit 1), and keep the whole last round as the digest's sample (bit 2)."""
+    actions = np.zeros((rounds, world), dtype=np.uint8)
+    actions[:, rank] = 1
+    actions[-1] |= 2
+    return actions.tobytes()
 
 
 def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int) -> None:

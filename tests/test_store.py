@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _round_actions
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -195,17 +195,19 @@ def test_dealing_is_the_same_on_both_paths(
     assert deal() == compiled
 
 
-def test_the_dealer_yields_each_complete_round_once() -> None:
+def test_the_window_dealer_deals_unshuffled_rounds() -> None:
+    """Windows of one round each holding the rank's item: what the unshuffled path deals in C."""
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    assert list(compact.Dealer(range(8), 3, 1)) == [1, 4]  # 6 and 7 form no complete round
-    assert list(compact.Dealer(iter(range(5)), 1, 0)) == [0, 1, 2, 3, 4]
-    items = iter(range(7))
-    assert list(compact.Dealer(items, 3, 2)) == [2, 5] and list(items) == []  # a partial round is consumed
-    for world, rank in ((0, 0), (2, 2), (2, -1)):
-        with pytest.raises(ValueError, match="world >= 1 and 0 <= rank < world"):
-            compact.Dealer(range(4), world, rank)
+    actions = _round_actions(2, 3, 1)
+    assert actions == bytes([0, 1, 0, 2, 3, 2])  # the rank's item of each round; the last round for the digest
+    order = np.zeros(2, dtype=np.int64)
+    dealer = compact.WindowDealer(iter(range(8)), actions, order, 3)
+    assert list(dealer) == [1, 4] and dealer.samples == [3, 4, 5] and dealer.read == 6
+    short = compact.WindowDealer(iter(range(5)), actions, order, 3)
+    assert list(short) == [1] and short.read == 5  # the unfinished round yields nothing
+    assert _round_actions(1, 1, 0) == bytes([3])
 
 
 def test_the_window_dealer_yields_complete_windows_in_the_given_order() -> None:
