@@ -51,7 +51,8 @@ batch = st.lists(index, max_size=6).flatmap(
 @given(data=st.data(), batched=st.booleans(), blocks=st.integers(1, 3))
 def test_read_stores_and_keeps_what_the_actions_say(path: str, data: st.DataObject, batched: bool, blocks: int) -> None:
     items = data.draw(st.lists(batch if batched else st.one_of(index, index.map(np.int64)), max_size=40))
-    store = CompactStore(batched=batched, owner="Sampler")
+    # expected (how many items will be stored) only sizes the C store's array: any guess must work
+    store = CompactStore(batched=batched, owner="Sampler", expected=data.draw(st.integers(0, 60)))
     source = iter(items)
     expected_stored: List[Any] = []
     read = 0
