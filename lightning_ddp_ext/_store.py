@@ -20,7 +20,7 @@ import operator
 from array import array
 from itertools import accumulate, chain, compress, islice
 from operator import length_hint
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Tuple
 
 import numpy as np
 
