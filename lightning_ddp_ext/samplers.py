@@ -293,7 +293,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             yield block[rank::world]
         compact = _store._compact
         full_chunk = _CHUNK_ROUNDS * world
-        chunk_actions = _round_actions(_CHUNK_ROUNDS, world, rank) if compact else b"\x01" * full_chunk
+        chunk_actions = _round_actions(_CHUNK_ROUNDS, world, rank)  # for the C helper
         chunk_order = np.zeros(_CHUNK_ROUNDS, dtype=np.int64)  # a window of one round yields its only own item
         position = head_end
         while position < final_start:
@@ -304,7 +304,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 yield dealer  # bit 2 keeps the chunk's last round for the digest
                 read, last = dealer.read, dealer.samples
             else:
-                selectors = iter(chunk_actions[: size - world])  # all ones: compress keeps all, counting them
+                selectors = iter(b"\x01" * (size - world))  # compress keeps every item, counting them
                 yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
                 last = list(islice(items, world))
                 read = size - world - length_hint(selectors) + len(last)
