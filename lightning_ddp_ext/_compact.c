@@ -1,13 +1,13 @@
 /* Optional C helpers for the samplers: the compact store's packing and rebuilding (_store.py), and the
- * dealers of the unshuffled and the windowed paths (samplers.py).
+ * dealer of the unshuffled and the windowed paths (samplers.py).
  *
  * A whole-epoch shuffle stores this rank's share compactly and rebuilds each batch as a list when it is
  * yielded. In pure Python the cheapest conversions (array.fromlist, memoryview.tolist) cost more per index
  * than the user's sampler spends making it; here packing costs a few nanoseconds per index and rebuilding
  * is a plain int allocation. The pure-Python path in _store.py stays the reference: this module converts
  * only exact ints and exact lists or tuples of them, and hands anything else to the caller's Python
- * converter, so both paths store the same indices and raise the same errors. The dealers yield exactly
- * what their pure-Python counterparts in samplers.py yield, errors included.
+ * converter, so both paths store the same indices and raise the same errors. The dealer yields exactly
+ * what its pure-Python counterparts in samplers.py yield, errors included.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,10 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64) or, where
- * narrow_ok, of 4 bytes (array('i'), numpy int32). */
+/* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64). */
 static int
-get_index_buffer(PyObject *obj, Py_buffer *view, const char *name, int narrow_ok)
+get_index_buffer(PyObject *obj, Py_buffer *view, const char *name)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         return -1;
@@ -30,11 +29,9 @@ get_index_buffer(PyObject *obj, Py_buffer *view, const char *name, int narrow_ok
     if (format[0] == '@' || format[0] == '=') {
         format++;
     }
-    int wide = view->itemsize == 8 && (strcmp(format, "q") == 0 || strcmp(format, "l") == 0);
-    int narrow = narrow_ok && view->itemsize == 4 && (strcmp(format, "i") == 0 || strcmp(format, "l") == 0);
-    if (!wide && !narrow) {
-        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of int64%s, got format '%s' of %zd bytes",
-                     name, narrow_ok ? " or int32" : "", view->format == NULL ? "B" : view->format, view->itemsize);
+    if (view->itemsize != 8 || (strcmp(format, "q") != 0 && strcmp(format, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of int64, got format '%s' of %zd bytes", name,
+                     view->format == NULL ? "B" : view->format, view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -393,7 +390,7 @@ static PyObject *
 store_lists(StoreObject *self, PyObject *slots_object)
 {
     Py_buffer view;
-    if (get_index_buffer(slots_object, &view, "slots", 0) < 0) {
+    if (get_index_buffer(slots_object, &view, "slots") < 0) {
         return NULL;
     }
     const long long *slots = view.buf;
@@ -470,77 +467,133 @@ static PyTypeObject StoreType = {
     .tp_as_sequence = &store_as_sequence,
 };
 
-/* WindowDealer(items, actions, order, window): read items a window of `window` positions at a time, as
- * actions says per position (bit 1 holds the item for this rank, bit 2 appends it to .samples), and once a
- * window is complete yield its held items in the order given by `order` (per yield, the index of the item
- * among its window's held items, in reading order). A window the iterator does not finish yields nothing.
- * The windowed shuffle's blocks: a rank holds one window's items, not a block's, so they stay in the caches.
- * Unshuffled dealing is the case of windows of one round, each holding the rank's own item.
- * .read counts the positions read, .samples holds the bit-2 items. */
+/* WindowDealer(items, seed, window, world, rank, first, end, sample_every): deal windows first .. end - 1,
+ * each of `window` positions, in C: read a window, keep this rank's items of it, and once the window was
+ * read whole yield them (a window the iterator does not finish yields nothing, so every rank yields the
+ * same number of items). With a seed, window w is permuted by a Fisher-Yates shuffle whose draws are a
+ * counter-based hash of seed + w * window + i (see window_permutation; samplers._window_permutations computes
+ * the same in numpy), and this rank yields the items at positions rank, rank + world, ... of that
+ * permutation: the windowed shuffle, drawn at a few nanoseconds per position with nothing planned in
+ * Python. With seed None the windows are not permuted: windows of one round deal the unshuffled sequence.
+ * The last position of every sample_every-th window from first on, and of window end - 1, goes to .samples
+ * (the digest's samples); .read counts the positions read. A rank holds one window's items, which stay in
+ * the core's caches, and hands each over when it yields it. */
 typedef struct {
     PyObject_HEAD
     PyObject *source, *samples;
-    Py_buffer actions, order;
-    PyObject **held;
-    Py_ssize_t window, held_count, next_yield, yields_end, position;
+    PyObject **held;         /* this rank's items of the current window, in yield order */
+    Py_ssize_t *slot;        /* per position of the window: its index in held, or -1 */
+    Py_ssize_t *permutation; /* scratch for window_permutation */
+    uint64_t seed;
+    int shuffled;            /* else the windows keep their order, and slot is fixed */
+    Py_ssize_t window, world, rank, own, first, next_window, end, sample_every;
+    Py_ssize_t available, next_yield, position; /* held[next_yield .. available) are yet to be yielded */
     int done;
 } WindowDealerObject;
 
-static void
-release_held(WindowDealerObject *self)
+/* SplitMix64's output function: a bijective mix of a 64-bit counter into well-spread bits. */
+static inline uint64_t
+mix64(uint64_t z)
 {
-    Py_ssize_t count = self->held_count;
-    self->held_count = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_DECREF(self->held[i]);
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* The permutation of window `index` (of `size` positions, counters spaced `stride` apart): Fisher-Yates
+ * from the last position down, position i swapping with j = (high 32 bits of the draw) * (i + 1) >> 32,
+ * which is in [0, i]. Integer arithmetic only, so every machine (and numpy) computes the same. */
+static void
+window_permutation(uint64_t seed, Py_ssize_t index, Py_ssize_t size, Py_ssize_t stride, Py_ssize_t *out)
+{
+    for (Py_ssize_t i = 0; i < size; i++) {
+        out[i] = i;
+    }
+    uint64_t base = seed + (uint64_t)index * (uint64_t)stride;
+    for (Py_ssize_t i = size - 1; i > 0; i--) {
+        uint64_t j = ((mix64(base + (uint64_t)i) >> 32) * (uint64_t)(i + 1)) >> 32;
+        Py_ssize_t swapped = out[i];
+        out[i] = out[j];
+        out[j] = swapped;
+    }
+}
+
+/* Drop what the dealer still holds of the current window (after a complete window: the items not yielded yet;
+ * after an incomplete one: what was read of it). */
+static void
+window_dealer_release(WindowDealerObject *self)
+{
+    self->next_yield = self->available = 0;
+    for (Py_ssize_t k = 0; k < self->own; k++) {
+        Py_CLEAR(self->held[k]);
     }
 }
 
 static PyObject *
 window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *items, *actions, *order;
-    Py_ssize_t window;
-    static char *keywords[] = {"items", "actions", "order", "window", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn:WindowDealer", keywords, &items, &actions, &order,
-                                     &window)) {
+    PyObject *items, *seed;
+    Py_ssize_t window, world, rank, first, end, sample_every;
+    static char *keywords[] = {"items", "seed", "window", "world", "rank", "first", "end", "sample_every", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOnnnnnn:WindowDealer", keywords, &items, &seed, &window,
+                                     &world, &rank, &first, &end, &sample_every)) {
         return NULL;
     }
     if (!PyIter_Check(items)) {
         PyErr_SetString(PyExc_TypeError, "items must be an iterator");
         return NULL;
     }
-    if (window < 1) {
-        PyErr_Format(PyExc_ValueError, "WindowDealer needs window >= 1, got %zd", window);
+    if (world < 1 || window < world || window % world != 0 || window > ((Py_ssize_t)1 << 31)) {
+        PyErr_Format(PyExc_ValueError, "WindowDealer needs 1 <= world <= window < 2**31 with window a multiple"
+                     " of world, got window %zd, world %zd", window, world);
         return NULL;
+    }
+    if (rank < 0 || rank >= world || first < 0 || end < first || sample_every < 1) {
+        PyErr_Format(PyExc_ValueError, "WindowDealer needs 0 <= rank < world, 0 <= first <= end and"
+                     " sample_every >= 1, got rank %zd, first %zd, end %zd, sample_every %zd", rank, first, end,
+                     sample_every);
+        return NULL;
+    }
+    unsigned long long seed_value = 0;
+    if (seed != Py_None) {
+        if (!PyLong_Check(seed)) {
+            PyErr_Format(PyExc_TypeError, "seed must be an int or None, got %.100s", Py_TYPE(seed)->tp_name);
+            return NULL;
+        }
+        seed_value = PyLong_AsUnsignedLongLongMask(seed);  /* modulo 2**64, as the numpy twin */
+        if (seed_value == (unsigned long long)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
     }
     WindowDealerObject *self = (WindowDealerObject *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
-    if (PyObject_GetBuffer(actions, &self->actions, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    if (get_index_buffer(order, &self->order, "order", 0) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    if (self->actions.len % window != 0) {
-        PyErr_Format(PyExc_ValueError, "actions must cover whole windows of %zd, got %zd positions", window,
-                     self->actions.len);
-        Py_DECREF(self);
-        return NULL;
-    }
-    self->held = PyMem_Calloc((size_t)window, sizeof(PyObject *));
+    self->own = window / world;
+    self->held = PyMem_Calloc((size_t)self->own, sizeof(PyObject *));
+    self->slot = PyMem_Malloc((size_t)window * sizeof(Py_ssize_t));
+    self->permutation = PyMem_Malloc((size_t)window * sizeof(Py_ssize_t));
     self->samples = PyList_New(0);
-    if (self->held == NULL || self->samples == NULL) {
+    if (self->held == NULL || self->slot == NULL || self->permutation == NULL || self->samples == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
     Py_INCREF(items);
     self->source = items;
+    self->seed = (uint64_t)seed_value;
+    self->shuffled = seed != Py_None;
+    if (!self->shuffled) {  /* this rank's positions are the same in every window */
+        for (Py_ssize_t p = 0; p < window; p++) {
+            self->slot[p] = p % world == rank ? p / world : -1;
+        }
+    }
     self->window = window;
+    self->world = world;
+    self->rank = rank;
+    self->first = self->next_window = first;
+    self->end = end;
+    self->sample_every = sample_every;
     return (PyObject *)self;
 }
 
@@ -549,8 +602,8 @@ window_dealer_traverse(WindowDealerObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->source);
     Py_VISIT(self->samples);
-    for (Py_ssize_t i = 0; i < self->held_count; i++) {
-        Py_VISIT(self->held[i]);
+    for (Py_ssize_t k = 0; self->held != NULL && k < self->own; k++) {
+        Py_VISIT(self->held[k]);
     }
     return 0;
 }
@@ -560,84 +613,80 @@ window_dealer_dealloc(WindowDealerObject *self)
 {
     PyObject_GC_UnTrack(self);
     if (self->held != NULL) {
-        release_held(self);
+        window_dealer_release(self);
         PyMem_Free(self->held);
     }
+    PyMem_Free(self->slot);
+    PyMem_Free(self->permutation);
     Py_XDECREF(self->source);
     Py_XDECREF(self->samples);
-    if (self->actions.obj != NULL) {
-        PyBuffer_Release(&self->actions);
-    }
-    if (self->order.obj != NULL) {
-        PyBuffer_Release(&self->order);
-    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Read the next window into held; 1 when complete, 0 when the iterator ran out or no positions are left
- * (StopIteration), -1 on error. */
+/* Draw the next window's permutation (when shuffled) and read the window into held; 1 when complete, 0 when the iterator
+ * ran out or no window is left (StopIteration), -1 on error. */
 static int
-read_window(WindowDealerObject *self)
+window_dealer_read(WindowDealerObject *self)
 {
-    const unsigned char *action = self->actions.buf;
-    Py_ssize_t end = self->position + self->window;
-    if (end > self->actions.len) {
-        return 0;  /* every window was dealt */
+    Py_ssize_t index = self->next_window;
+    if (index >= self->end) {
+        return 0;
     }
-    while (self->position < end) {
+    Py_ssize_t window = self->window, *slot = self->slot;
+    if (self->shuffled) {
+        window_permutation(self->seed, index, window, window, self->permutation);
+        for (Py_ssize_t p = 0; p < window; p++) {
+            slot[p] = -1;
+        }
+        for (Py_ssize_t k = 0; k < self->own; k++) {
+            slot[self->permutation[self->rank + k * self->world]] = k;
+        }
+    }
+    int sampled = (index - self->first + 1) % self->sample_every == 0 || index == self->end - 1;
+    for (Py_ssize_t p = 0; p < window; p++) {
         PyObject *item = PyIter_Next(self->source);
         if (item == NULL) {
-            release_held(self);
+            window_dealer_release(self);
             return PyErr_Occurred() ? -1 : 0;
         }
-        unsigned char todo = action[self->position++];
-        if ((todo & 2) && PyList_Append(self->samples, item) < 0) {
+        self->position++;
+        if (sampled && p == window - 1 && PyList_Append(self->samples, item) < 0) {
             Py_DECREF(item);
-            release_held(self);
+            window_dealer_release(self);
             return -1;
         }
-        if (todo & 1) {
-            self->held[self->held_count++] = item;
+        Py_ssize_t k = slot[p];
+        if (k >= 0) {
+            self->held[k] = item;
         }
         else {
             Py_DECREF(item);
         }
     }
-    Py_ssize_t yields = self->order.len / 8;
-    if (self->held_count > yields - self->yields_end) {
-        PyErr_SetString(PyExc_ValueError, "order has fewer entries than the windows hold items");
-        release_held(self);
-        return -1;
-    }
-    self->next_yield = self->yields_end;
-    self->yields_end += self->held_count;
+    self->next_window = index + 1;
+    self->available = self->own;
     return 1;
 }
 
 static PyObject *
 window_dealer_next(WindowDealerObject *self)
 {
-    while (self->next_yield == self->yields_end) {
-        release_held(self);
-        if (self->done || read_window(self) <= 0) {
-            self->done = 1;  /* stays exhausted, also after an error */
+    if (self->next_yield == self->available) {
+        window_dealer_release(self);
+        if (self->done || window_dealer_read(self) <= 0) {
+            self->done = 1; /* stays exhausted, also after an error */
             return NULL;
         }
     }
-    long long index = ((const long long *)self->order.buf)[self->next_yield++];
-    if (index < 0 || index >= self->held_count) {
-        PyErr_Format(PyExc_IndexError, "order entry %lld is not one of the window's %zd held items", index,
-                     self->held_count);
-        return NULL;
-    }
-    PyObject *item = self->held[index];
-    Py_INCREF(item);
+    /* Hand the reference over: the window's items are yielded once each. */
+    PyObject *item = self->held[self->next_yield];
+    self->held[self->next_yield++] = NULL;
     return item;
 }
 
 static PyMemberDef window_dealer_members[] = {
     {"read", T_PYSSIZET, offsetof(WindowDealerObject, position), READONLY, "positions read so far"},
-    {"samples", T_OBJECT, offsetof(WindowDealerObject, samples), READONLY, "the items of bit-2 positions"},
+    {"samples", T_OBJECT, offsetof(WindowDealerObject, samples), READONLY, "the sampled windows' last items"},
     {NULL},
 };
 
@@ -646,7 +695,8 @@ static PyTypeObject WindowDealerType = {
     .tp_name = "lightning_ddp_ext._compact.WindowDealer",
     .tp_basicsize = sizeof(WindowDealerObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = PyDoc_STR("WindowDealer(items, actions, order, window): each complete window's held items, in order."),
+    .tp_doc = PyDoc_STR("WindowDealer(items, seed, window, world, rank, first, end, sample_every): this rank's"
+                        " items of each complete window, permuted by seed unless it is None."),
     .tp_new = window_dealer_new,
     .tp_dealloc = (destructor)window_dealer_dealloc,
     .tp_traverse = (traverseproc)window_dealer_traverse,

@@ -1,5 +1,5 @@
 """Types of the optional C helpers built from _compact.c (see _store.py and samplers.py for their use)."""
-from typing import Any, Callable, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 class Store:
     itemsize: int
@@ -11,5 +11,15 @@ class Store:
 class WindowDealer(Iterator[Any]):
     read: int
     samples: List[Any]
-    def __init__(self, items: Iterator[Any], actions: bytes, order: Any, window: int) -> None: ...
+    def __init__(
+        self,
+        items: Iterator[Any],
+        seed: Optional[int],
+        window: int,
+        world: int,
+        rank: int,
+        first: int,
+        end: int,
+        sample_every: int,
+    ) -> None: ...
     def __next__(self) -> Any: ...

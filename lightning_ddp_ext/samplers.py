@@ -18,7 +18,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-from itertools import chain, compress, islice
+from itertools import chain, compress, groupby, islice
 from operator import itemgetter, length_hint
 from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
 
@@ -272,7 +272,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
         rounds a chunk at a time in C (this rank's item of each complete round, the other ranks' items freed at
         once: the C helper's ``WindowDealer`` with windows of one round, or ``zip`` + ``itemgetter`` without
-        it), keeping each chunk's last round for the digest, and the last round in Python (length check,
+        it), keeping each chunk's last item for the digest, and the last round in Python (length check,
         padding). Only complete rounds yield, so every rank yields the same number of items even when the
         sampler runs out early.
         """
@@ -293,24 +293,23 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             yield block[rank::world]
         compact = _store._compact
         full_chunk = _CHUNK_ROUNDS * world
-        chunk_actions = _round_actions(_CHUNK_ROUNDS, world, rank)  # for the C helper
-        chunk_order = np.zeros(_CHUNK_ROUNDS, dtype=np.int64)  # a window of one round yields its only own item
         position = head_end
         while position < final_start:
             size = min(full_chunk, final_start - position)
-            if compact is not None:
-                actions = chunk_actions if size == full_chunk else _round_actions(size // world, world, rank)
-                dealer = compact.WindowDealer(items, actions, chunk_order, world)
-                yield dealer  # bit 2 keeps the chunk's last round for the digest
-                read, last = dealer.read, dealer.samples
+            if compact is not None:  # windows of one round, unpermuted; the chunk's last item is the sample
+                rounds = size // world
+                dealer = compact.WindowDealer(items, None, world, world, rank, 0, rounds, rounds)
+                yield dealer
+                read, sample = dealer.read, dealer.samples
             else:
                 selectors = iter(b"\x01" * (size - world))  # compress keeps every item, counting them
                 yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
                 last = list(islice(items, world))
                 read = size - world - length_hint(selectors) + len(last)
+                sample = last[-1:]
             if read < size:
                 raise self._mismatch(length, position + read)
-            digest.include(last, position + size - world)
+            digest.include(sample, position + size - 1)
             if compact is None:
                 yield (last[rank],)
             position += size
@@ -335,91 +334,97 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     ) -> Iterator[Iterable[T]]:
         """Permute consecutive windows of the sequence and keep this rank's items of each, streaming.
 
-        A window's permutation is drawn before the window is read, so the rank knows which of its positions
-        it takes and frees the other ranks' items at once. Windows are read in blocks of about
-        ``_WINDOW_BLOCK_ITEMS`` own items, a few Python steps per block. Each block's last position is kept on
-        every rank, as the digest's sample of the block. The first ``_HEAD_ITEMS`` positions are kept
-        everywhere too: the digest hashes them in full, and padding repeats them.
+        A window's permutation is known before the window is read (see ``_window_permutations``), so the rank
+        knows which of its positions it takes and frees the other ranks' items at once. Windows are read in
+        blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. Each block's last position is kept on every rank,
+        as the digest's sample of the block. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the
+        digest hashes them in full, and padding repeats them.
 
         A window yields only once it was read whole (a block in the head or at the end only once the whole
         block was), so all ranks yield the same number of items even when the sampler runs out early or
-        fails. The C helper's ``WindowDealer`` reads and yields a window at a time, so a rank holds one
-        window's items, which stay in the core's caches. Without it ``itertools.compress`` keeps a block's
-        items in C and the block yields once read whole, or its complete windows if the sampler stopped
-        inside it: the same items on both paths.
+        fails. The C helper's ``WindowDealer`` draws, reads and yields the other blocks a window at a
+        time, so a rank holds one window's items, which stay in the core's caches. Without it the blocks are
+        planned in numpy and ``itertools.compress`` keeps a block's items in C; the block yields once read
+        whole, or its complete windows if the sampler stopped inside it: the same items on both paths.
         """
         items = iter(self.source)
+        world = self.num_replicas
         pad_count = total - length
         head_end = max(_HEAD_ITEMS, pad_count)  # leading positions every rank keeps: digest head, padding
         head: List[Any] = []
-        per_window = window // self.num_replicas
+        per_window = window // world
         windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
-        plans = _window_plans(length, total, window, windows_per_block, head_end, self.num_replicas, self.rank, generator)
+        seed = int(torch.randint(2**63 - 1, (), generator=generator))
         compact = _store._compact
-        for plan in plans:
-            run: List[_WindowBlock] = []  # consecutive plain blocks, for the C helper to deal in one go
-            for block in plan.blocks:
-                plain = not (block.head or block.last)  # whole windows, none of them in the head
-                if plain and compact is not None:
-                    run.append(block)
+        windows = -(-total // window)
+
+        for first, end in _plan_ranges(windows, window):
+            # C deals the blocks of whole windows that hold neither head nor padding, nor run to the epoch's end.
+            in_c = (
+                (block, compact is not None and block * window >= head_end and min(block + windows_per_block, end) < windows)
+                for block in range(first, end, windows_per_block)
+            )
+            for dealt_in_c, group in groupby(in_c, itemgetter(1)):
+                firsts = [block for block, _ in group]
+                group_first, group_end = firsts[0], min(end, firsts[-1] + windows_per_block)
+                if dealt_in_c:
+                    yield from self._deal_windows(compact, items, seed, group_first, group_end, window, windows_per_block, length, digest)
                     continue
-                if run:
-                    yield from self._deal_windows(compact, items, plan, run, window, length, digest)
-                    run = []
-                mask = plan.mask[block.mask_start : block.mask_end]
-                positions = plan.order[block.order_start : block.order_end].tolist()
-                if not plain:
-                    picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
-                    head.extend(picked[: block.head])
-                    if block.start == 0:
-                        self._head_digest = digest.snapshot()
-                    if block.last:
-                        self._check_exhausted(items, block.start + len(mask), length)
-                        digest.update((), length)
-                        picked.extend(head[:pad_count])
-                else:
-                    selectors = iter(mask)
-                    picked = []
-                    failure: Optional[Exception] = None
-                    try:
-                        picked.extend(compress(islice(items, len(mask)), selectors))  # keeps what it read
-                    except Exception as error:  # the sampler's: raised after the complete windows, as in C
-                        failure = error
-                    read = len(mask) - length_hint(selectors)
-                    if failure is not None or read < len(mask):
-                        positions = positions[: read // window * per_window]  # the complete windows' items
-                        if positions:
-                            yield [picked[position] for position in positions]
-                        raise failure or self._mismatch(length, block.start + read)
-                    _hash_block(digest, picked, block.start, len(mask), 0)
-                if len(positions) > 1:
-                    yield itemgetter(*positions)(picked)
-                elif positions:
-                    yield (picked[positions[0]],)
-            if run:
-                yield from self._deal_windows(compact, items, plan, run, window, length, digest)
-            del plan  # before the next plan is drawn: two plans' arrays never coexist
+                plan = _window_plan(seed, group_first, group_end, window, total, length, windows_per_block, head_end, world, self.rank)
+                for block in plan.blocks:
+                    mask = plan.mask[block.mask_start : block.mask_end]
+                    positions = plan.order[block.order_start : block.order_end].tolist()
+                    if block.head or block.last:
+                        picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
+                        head.extend(picked[: block.head])
+                        if block.start == 0:
+                            self._head_digest = digest.snapshot()
+                        if block.last:
+                            self._check_exhausted(items, block.start + len(mask), length)
+                            digest.update((), length)
+                            picked.extend(head[:pad_count])
+                    else:
+                        selectors = iter(mask)
+                        picked = []
+                        failure: Optional[Exception] = None
+                        try:
+                            picked.extend(compress(islice(items, len(mask)), selectors))  # keeps what it read
+                        except Exception as error:  # the sampler's: raised after the complete windows, as in C
+                            failure = error
+                        read = len(mask) - length_hint(selectors)
+                        if failure is not None or read < len(mask):
+                            positions = positions[: read // window * per_window]  # the complete windows' items
+                            if positions:
+                                yield [picked[position] for position in positions]
+                            raise failure or self._mismatch(length, block.start + read)
+                        _hash_block(digest, picked, block.start, len(mask), 0)
+                    if len(positions) > 1:
+                        yield itemgetter(*positions)(picked)
+                    elif positions:
+                        yield (picked[positions[0]],)
+                del plan  # before the next plan is drawn: two plans' arrays never coexist
 
     def _deal_windows(
         self,
         compact: Any,
         items: Iterator[Any],
-        plan: _WindowPlan,
-        run: List[_WindowBlock],
+        seed: int,
+        first: int,
+        end: int,
         window: int,
+        windows_per_block: int,
         length: int,
         digest: RunningDigest,
     ) -> Iterator[Iterable[T]]:
-        """Deal consecutive plain blocks of a plan through the C helper's ``WindowDealer``, a window at a time,
+        """Deal windows ``first`` to ``end - 1``, whole blocks of them, through the C helper's ``WindowDealer``,
         then hash each block's sample (its last position, which the dealer returns) as the Python path does."""
-        first, last = run[0], run[-1]
-        actions = plan.actions[first.mask_start : last.mask_end]
-        dealer = compact.WindowDealer(items, actions, plan.held[first.order_start : last.order_end], window)
+        dealer = compact.WindowDealer(items, seed, window, self.num_replicas, self.rank, first, end, windows_per_block)
         yield dealer
-        if dealer.read < len(actions):
-            raise self._mismatch(length, first.start + dealer.read)
-        for block, sample in zip(run, dealer.samples):
-            _hash_block(digest, [sample], block.start, block.mask_end - block.mask_start, 0)
+        if dealer.read < (end - first) * window:
+            raise self._mismatch(length, first * window + dealer.read)
+        block_ends = chain(range((first + windows_per_block) * window, end * window, windows_per_block * window), (end * window,))
+        for block_end, sample in zip(block_ends, dealer.samples):
+            digest.include((sample,), block_end - 1)
 
     def _full_shuffle_blocks(
         self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
@@ -459,15 +464,6 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         yield from store.blocks_in_order(slot_of_position)  # type: ignore[misc]
 
 
-def _round_actions(rounds: int, world: int, rank: int) -> bytes:
-    """``WindowDealer`` actions for ``rounds`` rounds of ``world`` positions: hold the item at ``rank`` of each
-    round (bit 1), and keep the whole last round as the digest's sample (bit 2)."""
-    actions = np.zeros((rounds, world), dtype=np.uint8)
-    actions[:, rank] = 1
-    actions[-1] |= 2
-    return actions.tobytes()
-
-
 def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int) -> None:
     """Hash what every rank kept of the block of ``size`` positions from ``start``: its first ``head`` items
     (the epoch's head, in full) and, past the head, its last item (the block's sample)."""
@@ -491,112 +487,126 @@ class _WindowBlock(NamedTuple):
 
 
 class _WindowPlan(NamedTuple):
-    """Consecutive windows whose permutations were drawn in one call."""
+    """Consecutive windows planned in one go, for the pure-Python path (and the head and last blocks)."""
 
     mask: bytes  # one byte per sampler position read in the plan: 1 where ``compress`` keeps the item
     order: np.ndarray[Any, Any]  # this rank's items in yield order, as indices into each block's kept items
     blocks: List[_WindowBlock]
-    actions: bytes  # for WindowDealer, per position read: 1 this rank's item, 2 the block's last position
-    held: np.ndarray[Any, Any]  # for WindowDealer, per item in yield order: its index among its window's own
 
 
-def _window_plans(
-    length: int,
-    total: int,
+def _plan_ranges(windows: int, window: int) -> Iterator[tuple[int, int]]:
+    """Split ``windows`` windows into ranges of 1, 8, 64, ... windows, up to ``_MAX_PERMUTATION_ELEMENTS``
+    positions: the first batch costs one tiny plan whatever the epoch's length, a short epoch needs few numpy
+    calls, and a plan's arrays stay small. Blocks start at each range's first window."""
+    first, size = 0, 1
+    while first < windows:
+        yield first, min(windows, first + size)
+        first += size
+        size = min(size * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
+
+
+# Windows permuted together: below this many, a Python loop over each window's swaps is cheaper than a numpy
+# step per column (each step costs microseconds, a Python swap about 0.1 us).
+_VECTOR_ROWS = 64
+_MIX_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_MIX_INCREMENT = 0x9E3779B97F4A7C15
+
+
+def _window_permutations(seed: int, first: int, count: int, size: int, stride: int) -> np.ndarray[Any, Any]:
+    """The permutations of windows ``first`` to ``first + count - 1``, one row each, of ``size`` positions.
+
+    Window ``w`` is shuffled by Fisher-Yates from its last position down: position ``i`` swaps with
+    ``j = (d >> 32) * (i + 1) >> 32`` (in ``[0, i]``), where ``d`` is SplitMix64's mix of the counter
+    ``seed + w * stride + i``. Only integer arithmetic modulo 2**64, so every machine draws the same, and the
+    C helper's ``WindowDealer`` computes the same permutations window by window; the counters make any
+    window's permutation computable on its own, in any order.
+    """
+    counters = np.arange(first, first + count, dtype=np.uint64)[:, None] * np.uint64(stride)
+    mixed: np.ndarray[Any, Any] = counters + np.arange(size, dtype=np.uint64) + np.uint64((seed + _MIX_INCREMENT) % 2**64)
+    for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS):
+        mixed ^= mixed >> np.uint64(shift)
+        mixed *= multiplier
+    mixed ^= mixed >> np.uint64(31)
+    mixed >>= np.uint64(32)
+    mixed *= np.arange(1, size + 1, dtype=np.uint64)  # below 2**64: i + 1 <= size < 2**32
+    mixed >>= np.uint64(32)
+    swap_with = mixed.astype(np.intp)
+    if count < _VECTOR_ROWS:  # few, long rows (a window longer than the epoch): one Python step per swap
+        rows = []
+        for draws in swap_with.tolist():
+            permutation = list(range(size))
+            for i in range(size - 1, 0, -1):
+                j = draws[i]
+                permutation[i], permutation[j] = permutation[j], permutation[i]
+            rows.append(permutation)
+        return np.array(rows, dtype=np.int64).reshape(count, size)
+    permutations = np.tile(np.arange(size, dtype=np.int64), (count, 1))
+    every_row = np.arange(count)
+    for i in range(size - 1, 0, -1):  # one numpy step per column, for all rows at once
+        j = swap_with[:, i]
+        taken = permutations[every_row, j]
+        permutations[every_row, j] = permutations[:, i]
+        permutations[:, i] = taken
+    return permutations
+
+
+def _window_plan(
+    seed: int,
+    first: int,
+    end: int,
     window: int,
+    total: int,
+    length: int,
     windows_per_block: int,
     head_end: int,
     world: int,
     rank: int,
-    generator: torch.Generator,
-) -> Iterator[_WindowPlan]:
-    """Plan the windowed shuffle: which positions this rank keeps, and in what order it yields them.
-
-    Windows are drawn in plans of 1, 8, 64, ... windows (argsort of uniform keys; the first plan is one
-    tiny draw, whatever the epoch's length), up to ``_MAX_PERMUTATION_ELEMENTS`` positions, and all index
-    arithmetic of a plan is done in numpy, so the Python work per block stays a few calls. Every rank
-    draws the same numbers in the same order; only the positions it keeps differ.
-    """
-
-    def draw(first: int, count_full: int, with_last: bool) -> _WindowPlan:
-        """The plan of ``count_full`` full windows from window ``first`` on, and of the epoch's last, partial
-        window too when ``with_last``. A function, so its temporaries are freed before the next plan."""
-        parts = []
-        if count_full:
-            keys = torch.rand((count_full, window), generator=generator).numpy()
-            ranked = _argsort_rows(keys)[:, rank::world] + np.arange(0, count_full * window, window)[:, None]
-            parts.append(ranked.reshape(-1))
-        end_window = first + count_full
-        if with_last:
-            parts.append(torch.randperm(total % window, generator=generator)[rank::world].numpy() + count_full * window)
-            end_window += 1
-        per_window = window // world
-        start = first * window
-        end = min(end_window * window, total)
-        own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
-        read_end = min(end, length) - start  # positions from `length` on are padding: never read
-        own_read = own[own < read_end]
-        keep = np.zeros(read_end, dtype=np.bool_)
-        keep[own_read] = True
-        block_starts = np.arange(0, end - start, windows_per_block * window)
-        block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
-        keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
-        keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
-        kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
-        block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)
-        kept = kept_before[block_read_ends] - kept_before[block_starts]
-        padded = own + start >= length
-        index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
-        if padded.any():  # the head is appended after the last block's kept items
-            index[padded] = kept[-1] + (own[padded] + start - length) % length
-        order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
-        heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
-        blocks = [
-            _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
-            for block_start, read_stop, kept_count, head, order in zip(
-                block_starts.tolist(),
-                block_read_ends.tolist(),
-                kept.tolist(),
-                heads.tolist(),
-                zip(order_bounds, order_bounds[1:]),
-            )
-        ]
-        if end == total:
-            blocks[-1] = blocks[-1]._replace(last=True)
-        actions = np.zeros(read_end, dtype=np.uint8)
-        actions[own_read] = 1
-        own_before = np.concatenate(([0], np.cumsum(actions, dtype=np.int32)))  # own positions before p
-        actions[block_read_ends - 1] |= 2
-        held = own_before[np.minimum(own, read_end)] - own_before[np.minimum(own - own % window, read_end)]
-        return _WindowPlan(keep.tobytes(), index, blocks, actions.tobytes(), held.astype(np.int64))
-
-    full_windows, last_window = divmod(total, window)
-    windows = full_windows + (1 if last_window else 0)
-    plan_windows = 1
-    first = 0  # first window of the plan
-    while first < windows:
-        count_full = min(plan_windows, full_windows - first) if first < full_windows else 0
-        with_last = first + count_full == full_windows and last_window > 0  # the last, partial window joins
-        yield draw(first, count_full, with_last)
-        first += count_full + with_last
-        plan_windows = min(plan_windows * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
-
-
-def _argsort_rows(keys: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """Argsort each row of ``torch.rand`` keys, ties broken by column, so the result is the same on every
-    machine.
-
-    The keys are multiples of 2**-24, so a window of 32 holds two equal keys about once in 34,000 windows
-    (about once per epoch of 1e6 batches), and numpy's default sort orders equal keys as its SIMD or scalar
-    code happens to: ranks on different CPUs or numpy versions would then permute differently, and the
-    shares overlap. Sorting the exact integers ``key * 2**24 * width + column`` orders equal keys by column,
-    at the default sort's speed.
-    """
-    width = keys.shape[1]
-    exact = (keys * float(1 << 24)).astype(np.int64)
-    exact *= width  # in place: a plan's temporaries are most of what the windowed shuffle holds
-    exact += np.arange(width, dtype=np.int64)
-    return exact.argsort(axis=1)
+) -> _WindowPlan:
+    """Plan windows ``first`` to ``end - 1`` in blocks of ``windows_per_block`` windows from ``first``: which
+    positions this rank keeps, and in what order it yields them, with all index arithmetic in numpy so
+    that the Python work per block stays a few calls."""
+    full_windows = total // window
+    parts = []
+    if first < min(end, full_windows):
+        count = min(end, full_windows) - first
+        own = _window_permutations(seed, first, count, window, window)[:, rank::world]
+        parts.append((own + np.arange(0, count * window, window)[:, None]).reshape(-1))
+    if end > full_windows:  # the epoch's last, partial window
+        own = _window_permutations(seed, full_windows, 1, total % window, window)[0, rank::world]
+        parts.append(own + (full_windows - first) * window)
+    per_window = window // world
+    start = first * window
+    stop = min(end * window, total)
+    own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
+    read_end = min(stop, length) - start  # positions from `length` on are padding: never read
+    keep = np.zeros(read_end, dtype=np.bool_)
+    keep[own[own < read_end]] = True
+    block_starts = np.arange(0, stop - start, windows_per_block * window)
+    block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
+    keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
+    keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
+    kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
+    block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)
+    kept = kept_before[block_read_ends] - kept_before[block_starts]
+    padded = own + start >= length
+    index = kept_before[np.minimum(own, read_end)] - kept_before[block_starts[block_of]]
+    if padded.any():  # the head is appended after the last block's kept items
+        index[padded] = kept[-1] + (own[padded] + start - length) % length
+    order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
+    heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
+    blocks = [
+        _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
+        for block_start, read_stop, kept_count, head, order in zip(
+            block_starts.tolist(),
+            block_read_ends.tolist(),
+            kept.tolist(),
+            heads.tolist(),
+            zip(order_bounds, order_bounds[1:]),
+        )
+    ]
+    if stop == total:
+        blocks[-1] = blocks[-1]._replace(last=True)
+    return _WindowPlan(keep.tobytes(), index, blocks)
 
 
 class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):

@@ -18,7 +18,7 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
-    _argsort_rows,
+    _window_permutations,
 )
 
 
@@ -127,14 +127,37 @@ def test_windowed_shuffle_permutes_within_windows_only() -> None:
             assert position // span == k // window  # k-th own batch comes from window k // window
 
 
-def test_equal_shuffle_keys_are_ordered_by_position_on_every_machine() -> None:
-    """numpy's default sort orders equal keys as its SIMD or scalar code happens to; the window permutation
-    must not depend on that, or ranks on different CPUs would permute differently."""
-    keys = (np.random.default_rng(0).integers(0, 2**24, (500, 32)) // 2**21 * 2**-24).astype(np.float32)
-    assert (keys[:, :, None] == keys[:, None, :]).sum() > 500 * 32  # plenty of ties
-    assert np.array_equal(_argsort_rows(keys), keys.argsort(axis=1, kind="stable"))
-    drawn = torch.rand((500, 32), generator=torch.Generator().manual_seed(0)).numpy()
-    assert np.array_equal(_argsort_rows(drawn), drawn.argsort(axis=1, kind="stable"))
+def fisher_yates(seed: int, window: int, size: int, stride: int) -> List[int]:
+    """The windowed shuffle's permutation of one window, written out one draw at a time in plain Python."""
+
+    def mix(counter: int) -> int:  # SplitMix64's output function, modulo 2**64
+        z = (counter + 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
+
+    permutation = list(range(size))
+    for i in range(size - 1, 0, -1):
+        j = (mix(seed + window * stride + i) >> 32) * (i + 1) >> 32
+        permutation[i], permutation[j] = permutation[j], permutation[i]
+    return permutation
+
+
+def test_window_permutations_are_uniform_and_fixed() -> None:
+    """The windowed shuffle's permutations: integer arithmetic only, so every machine and every release draws
+    the same (a resumed run deals as the interrupted one did), and each position is equally likely to land
+    anywhere (a Fisher-Yates off by one, Sattolo's variant, would never leave an item in place)."""
+    assert _window_permutations(0, 0, 2, 8, 8).tolist() == [[7, 4, 1, 0, 6, 2, 5, 3], [5, 3, 0, 1, 6, 7, 2, 4]]
+    assert _window_permutations(0, 1, 1, 8, 8).tolist() == [[5, 3, 0, 1, 6, 7, 2, 4]]  # any window on its own
+    for seed, first, size, stride in ((0, 0, 32, 32), (2**63 - 2, 10**9, 20, 32), (12345, 7, 1, 1)):
+        expected = [fisher_yates(seed, window, size, stride) for window in range(first, first + 3)]
+        assert _window_permutations(seed, first, 3, size, stride).tolist() == expected
+    permutations = _window_permutations(2**63 - 2, 10, 40_000, 8, 8)
+    assert (np.sort(permutations, axis=1) == np.arange(8)).all()
+    counts = np.zeros((8, 8), dtype=np.int64)  # counts[i, p]: how often position i holds item p
+    np.add.at(counts, (np.tile(np.arange(8), 40_000), permutations.reshape(-1)), 1)
+    assert np.abs(counts - 5_000).max() < 5 * np.sqrt(5_000)  # five standard deviations: a bias fails at once
+    assert len({tuple(row) for row in permutations[:5_000].tolist()}) > 4_600  # 8! = 40,320 are possible
 
 
 @settings(max_examples=60, deadline=None)

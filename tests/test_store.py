@@ -7,6 +7,7 @@ same indices, keep the same items, deal the same shares, count the same, and rai
 from __future__ import annotations
 
 import operator
+import weakref
 from array import array
 from itertools import chain
 from typing import Any, Iterator, List, Optional
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _round_actions
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _window_permutations
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -197,53 +198,101 @@ def test_dealing_is_the_same_on_both_paths(
 
 
 def test_the_window_dealer_deals_unshuffled_rounds() -> None:
-    """Windows of one round each holding the rank's item: what the unshuffled path deals in C."""
+    """Windows of one round, not permuted, each holding the rank's item: what the unshuffled path deals in C."""
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    actions = _round_actions(2, 3, 1)
-    assert actions == bytes([0, 1, 0, 2, 3, 2])  # the rank's item of each round; the last round for the digest
-    order = np.zeros(2, dtype=np.int64)
-    dealer = compact.WindowDealer(iter(range(8)), actions, order, 3)
-    assert list(dealer) == [1, 4] and dealer.samples == [3, 4, 5] and dealer.read == 6
-    short = compact.WindowDealer(iter(range(5)), actions, order, 3)
-    assert list(short) == [1] and short.read == 5  # the unfinished round yields nothing
-    assert _round_actions(1, 1, 0) == bytes([3])
+    dealer = compact.WindowDealer(iter(range(8)), None, 3, 3, 1, 0, 2, 2)
+    assert list(dealer) == [1, 4] and dealer.samples == [5] and dealer.read == 6  # the chunk's last item
+    short = compact.WindowDealer(iter(range(5)), None, 3, 3, 1, 0, 2, 2)
+    assert list(short) == [1] and short.read == 5 and short.samples == []  # the unfinished round yields nothing
+    assert list(compact.WindowDealer(iter("abcd"), None, 4, 2, 1, 0, 1, 1)) == ["b", "d"]  # a window of 2 rounds
 
 
-def test_the_window_dealer_yields_complete_windows_in_the_given_order() -> None:
+def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
+    """Ranks with and without the helper must permute every window alike: C draws window by window what
+    ``_window_permutations`` draws for many windows at once."""
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    actions = bytes([1, 0, 1, 2, 3, 1, 0, 0, 0, 1, 1, 2])  # windows of 4: holds 2, 2 and 2 items
-    order = np.array([1, 0, 0, 1, 1, 0])
-    dealer = compact.WindowDealer(iter("abcdefghijkl"), actions, order, 4)
-    assert list(dealer) == ["c", "a", "e", "f", "k", "j"]
-    assert (dealer.read, dealer.samples) == (12, ["d", "e", "l"])
-    items = iter("abcdefghij")  # runs out inside the third window: its items are not yielded
-    dealer = compact.WindowDealer(items, actions, order, 4)
-    assert list(dealer) == ["c", "a", "e", "f"] and dealer.read == 10 and list(items) == []
+    for seed in (0, 12345, 2**64 - 1):
+        for world, per_rank in ((1, 1), (2, 16), (3, 5), (8, 16)):
+            window = world * per_rank
+            permutations = _window_permutations(seed, 5, 7, window, window)
+            items = range(5 * window, 12 * window)
+            shares = [list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, 3)) for rank in range(world)]
+            for rank, share in enumerate(shares):
+                own = permutations[:, rank::world] + np.arange(5 * window, 12 * window, window)[:, None]
+                assert share == own.reshape(-1).tolist()
+            assert sorted(chain.from_iterable(shares)) == list(items)
+    dealer = compact.WindowDealer(iter(range(70)), 7, 10, 2, 0, 0, 7, 3)
+    list(dealer)
+    assert dealer.samples == [29, 59, 69] and dealer.read == 70  # every third window's last item, and the last's
+    modular = [list(compact.WindowDealer(iter(range(32)), seed, 32, 2, 0, 0, 1, 1)) for seed in (-1, 2**64 - 1)]
+    assert modular[0] == modular[1]  # seeds count modulo 2**64, as in numpy
+
+
+def test_the_window_dealer_yields_only_complete_windows_and_checks_its_arguments() -> None:
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    permutations = _window_permutations(3, 0, 3, 4, 4)
+    own = (permutations[:, 0::2] + np.arange(0, 12, 4)[:, None]).reshape(-1).tolist()
+    letters = "abcdefghijkl"
+    dealer = compact.WindowDealer(iter(letters), 3, 4, 2, 0, 0, 3, 1)
+    assert list(dealer) == [letters[p] for p in own] and (dealer.read, dealer.samples) == (12, ["d", "h", "l"])
+    items = iter(letters[:10])  # runs out inside the third window: its items are not yielded
+    dealer = compact.WindowDealer(items, 3, 4, 2, 0, 0, 3, 1)
+    assert list(dealer) == [letters[p] for p in own[:4]] and dealer.read == 10 and list(items) == []
     assert list(dealer) == []
 
     def failing() -> Iterator[str]:
-        yield from "abcde"
+        yield from letters[:5]
         raise RuntimeError("sampler broke")
 
-    dealer = compact.WindowDealer(failing(), actions, order, 4)
-    assert [next(dealer), next(dealer)] == ["c", "a"]
+    dealer = compact.WindowDealer(failing(), 3, 4, 2, 0, 0, 3, 1)
+    assert [next(dealer), next(dealer)] == [letters[p] for p in own[:2]]
     with pytest.raises(RuntimeError, match="sampler broke"):
         next(dealer)
     assert list(dealer) == []
-    with pytest.raises(ValueError, match="whole windows of 5"):
-        compact.WindowDealer(iter("ab"), actions, order, 5)
-    with pytest.raises(ValueError, match="window >= 1"):
-        compact.WindowDealer(iter("ab"), actions, order, 0)
-    with pytest.raises(ValueError, match="fewer entries"):
-        list(compact.WindowDealer(iter("abcdefghijkl"), actions, order[:3], 4))
-    with pytest.raises(IndexError, match="order entry 2"):
-        list(compact.WindowDealer(iter("abcd"), actions[:4], np.array([2, 0]), 4))
+
+
+    class Item:  # weakly referable, to see which items are still alive
+        pass
+
+    created: "weakref.WeakSet[Item]" = weakref.WeakSet()
+
+    def make(count: int) -> Iterator[Item]:
+        for _ in range(count):
+            item = Item()
+            created.add(item)
+            yield item
+
+    for count in (12, 10, 6):  # every window complete; the third, or the second, left unfinished
+        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, 1)
+        yielded = list(dealer)
+        assert set(created) == set(yielded) | set(dealer.samples)  # an unfinished window's items are dropped
+        del yielded, dealer
+        assert not created
+        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, 1)
+        first = next(dealer)
+        del dealer  # with items held but not yielded yet
+        assert set(created) == {first}
+        del first
+    with pytest.raises(ValueError, match="window a multiple of world, got window 5, world 2"):
+        compact.WindowDealer(iter("ab"), 3, 5, 2, 0, 0, 1, 1)
+    with pytest.raises(ValueError, match="got window 0"):
+        compact.WindowDealer(iter("ab"), 3, 0, 1, 0, 0, 1, 1)
+    with pytest.raises(ValueError, match="0 <= rank < world"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 2, 0, 1, 1)
+    with pytest.raises(ValueError, match="sample_every >= 1"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="first <= end"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 2, 1, 1)
+    with pytest.raises(TypeError, match="seed must be an int or None, got str"):
+        compact.WindowDealer(iter("ab"), "3", 4, 2, 0, 0, 1, 1)
     with pytest.raises(TypeError, match="items must be an iterator"):
-        compact.WindowDealer("abcd", actions[:4], order, 4)
+        compact.WindowDealer("abcd", 3, 4, 2, 0, 0, 1, 1)
 
 
 def test_the_c_store_checks_its_arguments() -> None:
