@@ -18,7 +18,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-from itertools import chain, compress, groupby, islice
+from itertools import chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
 
@@ -51,6 +51,8 @@ _READ_BLOCK = 1024
 # first batch costs one tiny draw whatever the epoch's length, and a short epoch needs few numpy calls.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
 _PLAN_GROWTH = 8
+# Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
+_MAX_WINDOW = 1 << 31
 
 
 class LengthMismatchError(RuntimeError):
@@ -110,6 +112,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
         self.source = source
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
+        if shuffle_window is not None and shuffle_window * self.num_replicas > _MAX_WINDOW:
+            raise ValueError(
+                f"{owner}: shuffle_window={shuffle_window} makes windows of {shuffle_window * self.num_replicas}"
+                f" positions on {self.num_replicas} ranks, more than the {_MAX_WINDOW} a window may have. To shuffle"
+                " across the whole epoch, pass shuffle_window=None."
+            )
         self.shuffle = shuffle
         self.seed = seed
         self.pad = pad
@@ -357,20 +365,17 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         seed = int(torch.randint(2**63 - 1, (), generator=generator))
         compact = _store._compact
         windows = -(-total // window)
-
+        past_head = -(-head_end // window) if compact is not None else windows  # C deals no window before it
         for first, end in _plan_ranges(windows, window):
-            # C deals the blocks of whole windows that hold neither head nor padding, nor run to the epoch's end.
-            in_c = (
-                (block, compact is not None and block * window >= head_end and min(block + windows_per_block, end) < windows)
-                for block in range(first, end, windows_per_block)
-            )
-            for dealt_in_c, group in groupby(in_c, itemgetter(1)):
-                firsts = [block for block, _ in group]
-                group_first, group_end = firsts[0], min(end, firsts[-1] + windows_per_block)
+            for dealt_in_c, group_first, group_end in _split_range(first, end, windows, windows_per_block, past_head):
                 if dealt_in_c:
-                    yield from self._deal_windows(compact, items, seed, group_first, group_end, window, windows_per_block, length, digest)
+                    yield from self._deal_windows(
+                        compact, items, seed, group_first, group_end, window, windows_per_block, length, digest
+                    )
                     continue
-                plan = _window_plan(seed, group_first, group_end, window, total, length, windows_per_block, head_end, world, self.rank)
+                plan = _window_plan(
+                    seed, group_first, group_end, window, total, length, windows_per_block, head_end, world, self.rank
+                )
                 for block in plan.blocks:
                     mask = plan.mask[block.mask_start : block.mask_end]
                     positions = plan.order[block.order_start : block.order_end].tolist()
@@ -418,11 +423,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     ) -> Iterator[Iterable[T]]:
         """Deal windows ``first`` to ``end - 1``, whole blocks of them, through the C helper's ``WindowDealer``,
         then hash each block's sample (its last position, which the dealer returns) as the Python path does."""
-        dealer = compact.WindowDealer(items, seed, window, self.num_replicas, self.rank, first, end, windows_per_block)
+        world, rank = self.num_replicas, self.rank
+        dealer = compact.WindowDealer(items, seed, window, world, rank, first, end, windows_per_block)
         yield dealer
         if dealer.read < (end - first) * window:
             raise self._mismatch(length, first * window + dealer.read)
-        block_ends = chain(range((first + windows_per_block) * window, end * window, windows_per_block * window), (end * window,))
+        block = windows_per_block * window
+        block_ends = chain(range(first * window + block, end * window, block), (end * window,))
         for block_end, sample in zip(block_ends, dealer.samples):
             digest.include((sample,), block_end - 1)
 
@@ -505,6 +512,22 @@ def _plan_ranges(windows: int, window: int) -> Iterator[tuple[int, int]]:
         size = min(size * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
 
 
+
+def _split_range(
+    first: int, end: int, windows: int, windows_per_block: int, past_head: int
+) -> List[tuple[bool, int, int]]:
+    """Split the windows ``first .. end - 1`` of a plan range (blocks of ``windows_per_block`` windows from
+    ``first``) into consecutive groups ``(dealt_in_c, group_first, group_end)``: the blocks the C helper
+    deals (none starting before window ``past_head``, which holds the head, and none holding the epoch's last
+    window, which holds padding and the length check) between the blocks that Python plans."""
+    c_first = first + -(-max(0, past_head - first) // windows_per_block) * windows_per_block
+    c_end = end if end < windows else first + (windows - 1 - first) // windows_per_block * windows_per_block
+    if c_first >= c_end:
+        return [(False, first, end)]
+    groups = [(False, first, c_first), (True, c_first, c_end), (False, c_end, end)]
+    return [group for group in groups if group[1] < group[2]]
+
+
 # Windows permuted together: below this many, a Python loop over each window's swaps is cheaper than a numpy
 # step per column (each step costs microseconds, a Python swap about 0.1 us).
 _VECTOR_ROWS = 64
@@ -521,8 +544,9 @@ def _window_permutations(seed: int, first: int, count: int, size: int, stride: i
     C helper's ``WindowDealer`` computes the same permutations window by window; the counters make any
     window's permutation computable on its own, in any order.
     """
-    counters = np.arange(first, first + count, dtype=np.uint64)[:, None] * np.uint64(stride)
-    mixed: np.ndarray[Any, Any] = counters + np.arange(size, dtype=np.uint64) + np.uint64((seed + _MIX_INCREMENT) % 2**64)
+    offset = np.uint64((seed + _MIX_INCREMENT) % 2**64)  # SplitMix64 adds its increment first
+    mixed: np.ndarray[Any, Any] = np.arange(first, first + count, dtype=np.uint64)[:, None] * np.uint64(stride)
+    mixed = mixed + np.arange(size, dtype=np.uint64) + offset  # the counters, one row per window
     for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS):
         mixed ^= mixed >> np.uint64(shift)
         mixed *= multiplier

@@ -18,6 +18,7 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
+    _split_range,
     _window_permutations,
 )
 
@@ -160,6 +161,19 @@ def test_window_permutations_are_uniform_and_fixed() -> None:
     assert len({tuple(row) for row in permutations[:5_000].tolist()}) > 4_600  # 8! = 40,320 are possible
 
 
+def test_the_c_helper_deals_neither_the_head_nor_the_last_block() -> None:
+    """Plan ranges split into Python and C groups of whole blocks (8 windows each here, from the range's first):
+    Python keeps the blocks that hold the head (windows before ``past_head``) and the one that holds the
+    epoch's last window."""
+    assert _split_range(0, 1, 100, 8, 1) == [(False, 0, 1)]
+    assert _split_range(1, 9, 100, 8, 1) == [(True, 1, 9)]
+    assert _split_range(1, 73, 100, 8, 3) == [(False, 1, 9), (True, 9, 73)]  # the head reaches into window 2
+    assert _split_range(9, 73, 73, 8, 1) == [(True, 9, 65), (False, 65, 73)]  # 65..72: the last block
+    assert _split_range(9, 70, 70, 8, 1) == [(True, 9, 65), (False, 65, 70)]  # a short last block
+    assert _split_range(1, 9, 9, 8, 1) == [(False, 1, 9)]  # one block, the last
+    assert _split_range(9, 73, 100, 8, 100) == [(False, 9, 73)]  # past_head = all windows: no C helper
+
+
 @settings(max_examples=60, deadline=None)
 @given(num=st.integers(1, 50), world=st.integers(1, 5), pad=st.booleans(), mode=modes, epoch=st.integers(0, 3))
 def test_index_wrapper_gives_disjoint_shares(num: int, world: int, pad: bool, mode: tuple[bool, Optional[int]], epoch: int) -> None:
@@ -258,6 +272,14 @@ def test_wrong_len_raises_with_both_numbers_and_equal_counts(declared: int, actu
                 got.append(batch)
         yielded.append(len(got))
     assert len(set(yielded)) == 1, f"ranks yielded different counts before failing: {yielded}"
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True, 2**30 + 1])
+def test_bad_shuffle_window_is_refused(window: Any) -> None:
+    expected = "makes windows of 2147483650 positions" if window == 2**30 + 1 else "shuffle_window must be None or"
+    with pytest.raises(ValueError, match=expected):
+        DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, shuffle=True, shuffle_window=window)
+    assert len(DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, shuffle=True, shuffle_window=2**30)) == 2
 
 
 def test_empty_sampler() -> None:
