@@ -467,26 +467,32 @@ static PyTypeObject StoreType = {
     .tp_as_sequence = &store_as_sequence,
 };
 
-/* WindowDealer(items, seed, window, world, rank, first, end, sample_every): deal windows first .. end - 1,
- * each of `window` positions, in C: read a window, keep this rank's items of it, and once the window was
- * read whole yield them (a window the iterator does not finish yields nothing, so every rank yields the
- * same number of items). With a seed, window w is permuted by a Fisher-Yates shuffle whose draws are a
- * counter-based hash of seed + w * window + i (see window_permutation; samplers._window_permutations computes
- * the same in numpy), and this rank yields the items at positions rank, rank + world, ... of that
+/* WindowDealer(items, seed, window, world, rank, first, end, sample_windows, on_sample): deal the windows
+ * first .. end - 1, each of `window` positions, in C: read a window, keep this rank's items of it, and once
+ * the window was read whole yield them (a window the iterator does not finish yields nothing, so every rank
+ * yields the same number of items). With a seed, window w is permuted by a Fisher-Yates shuffle whose draws
+ * are a counter-based hash of seed + w * window + i (see window_permutation; samplers._window_permutations
+ * computes the same in numpy), and this rank yields the items at positions rank, rank + world, ... of that
  * permutation: the windowed shuffle, drawn at a few nanoseconds per position with nothing planned in
  * Python. With seed None the windows are not permuted: windows of one round deal the unshuffled sequence.
- * The last position of every sample_every-th window from first on, and of window end - 1, goes to .samples
- * (the digest's samples); .read counts the positions read. A rank holds one window's items, which stay in
- * the core's caches, and hands each over when it yields it. */
+ *
+ * The item at the last position of each window listed in sample_windows (ascending window indices, int64) is
+ * passed to on_sample (the digest's sample) as it is read, unless on_sample is None; an error it raises ends
+ * the dealing like the sampler's own. Nothing is kept for later: a batch held past its turn keeps its memory
+ * from being reused, and holding one in every few hundred slowed the whole epoch by several percent. .read
+ * counts the positions read. A rank holds one window's items, which stay in the core's caches, and hands
+ * each over when it yields it. */
 typedef struct {
     PyObject_HEAD
-    PyObject *source, *samples;
+    PyObject *source, *on_sample;
     PyObject **held;         /* this rank's items of the current window, in yield order */
     Py_ssize_t *slot;        /* per position of the window: its index in held, or -1 */
     Py_ssize_t *permutation; /* scratch for window_permutation */
     uint64_t seed;
     int shuffled;            /* else the windows keep their order, and slot is fixed */
-    Py_ssize_t window, world, rank, own, first, next_window, end, sample_every;
+    Py_ssize_t window, world, rank, own, next_window, end;
+    Py_buffer sample_windows;
+    Py_ssize_t next_sample;  /* the next entry of sample_windows */
     Py_ssize_t available, next_yield, position; /* held[next_yield .. available) are yet to be yielded */
     int done;
 } WindowDealerObject;
@@ -533,11 +539,16 @@ window_dealer_release(WindowDealerObject *self)
 static PyObject *
 window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *items, *seed;
-    Py_ssize_t window, world, rank, first, end, sample_every;
-    static char *keywords[] = {"items", "seed", "window", "world", "rank", "first", "end", "sample_every", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOnnnnnn:WindowDealer", keywords, &items, &seed, &window,
-                                     &world, &rank, &first, &end, &sample_every)) {
+    PyObject *items, *seed, *sample_windows, *on_sample;
+    Py_ssize_t window, world, rank, first, end;
+    static char *keywords[] = {"items", "seed", "window", "world", "rank", "first", "end", "sample_windows",
+                               "on_sample", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOnnnnnOO:WindowDealer", keywords, &items, &seed, &window,
+                                     &world, &rank, &first, &end, &sample_windows, &on_sample)) {
+        return NULL;
+    }
+    if (on_sample != Py_None && !PyCallable_Check(on_sample)) {
+        PyErr_Format(PyExc_TypeError, "on_sample must be callable or None, got %.100s", Py_TYPE(on_sample)->tp_name);
         return NULL;
     }
     if (!PyIter_Check(items)) {
@@ -549,10 +560,9 @@ window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                      " of world, got window %zd, world %zd", window, world);
         return NULL;
     }
-    if (rank < 0 || rank >= world || first < 0 || end < first || sample_every < 1) {
-        PyErr_Format(PyExc_ValueError, "WindowDealer needs 0 <= rank < world, 0 <= first <= end and"
-                     " sample_every >= 1, got rank %zd, first %zd, end %zd, sample_every %zd", rank, first, end,
-                     sample_every);
+    if (rank < 0 || rank >= world || first < 0 || end < first) {
+        PyErr_Format(PyExc_ValueError, "WindowDealer needs 0 <= rank < world and 0 <= first <= end, got rank %zd,"
+                     " first %zd, end %zd", rank, first, end);
         return NULL;
     }
     unsigned long long seed_value = 0;
@@ -574,13 +584,20 @@ window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->held = PyMem_Calloc((size_t)self->own, sizeof(PyObject *));
     self->slot = PyMem_Malloc((size_t)window * sizeof(Py_ssize_t));
     self->permutation = PyMem_Malloc((size_t)window * sizeof(Py_ssize_t));
-    self->samples = PyList_New(0);
-    if (self->held == NULL || self->slot == NULL || self->permutation == NULL || self->samples == NULL) {
+    if (self->held == NULL || self->slot == NULL || self->permutation == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
+    if (get_index_buffer(sample_windows, &self->sample_windows, "sample_windows") < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
     Py_INCREF(items);
     self->source = items;
+    if (on_sample != Py_None) {
+        Py_INCREF(on_sample);
+        self->on_sample = on_sample;
+    }
     self->seed = (uint64_t)seed_value;
     self->shuffled = seed != Py_None;
     if (!self->shuffled) {  /* this rank's positions are the same in every window */
@@ -591,9 +608,8 @@ window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->window = window;
     self->world = world;
     self->rank = rank;
-    self->first = self->next_window = first;
+    self->next_window = first;
     self->end = end;
-    self->sample_every = sample_every;
     return (PyObject *)self;
 }
 
@@ -601,7 +617,7 @@ static int
 window_dealer_traverse(WindowDealerObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->source);
-    Py_VISIT(self->samples);
+    Py_VISIT(self->on_sample);
     for (Py_ssize_t k = 0; self->held != NULL && k < self->own; k++) {
         Py_VISIT(self->held[k]);
     }
@@ -619,12 +635,15 @@ window_dealer_dealloc(WindowDealerObject *self)
     PyMem_Free(self->slot);
     PyMem_Free(self->permutation);
     Py_XDECREF(self->source);
-    Py_XDECREF(self->samples);
+    Py_XDECREF(self->on_sample);
+    if (self->sample_windows.obj != NULL) {
+        PyBuffer_Release(&self->sample_windows);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Draw the next window's permutation (when shuffled) and read the window into held; 1 when complete, 0 when the iterator
- * ran out or no window is left (StopIteration), -1 on error. */
+/* Draw the next window's permutation (when shuffled) and read the window into held; 1 when complete, 0 when
+ * the iterator ran out or no window is left (StopIteration), -1 on error. */
 static int
 window_dealer_read(WindowDealerObject *self)
 {
@@ -642,7 +661,9 @@ window_dealer_read(WindowDealerObject *self)
             slot[self->permutation[self->rank + k * self->world]] = k;
         }
     }
-    int sampled = (index - self->first + 1) % self->sample_every == 0 || index == self->end - 1;
+    const long long *sample_windows = self->sample_windows.buf;
+    int sampled = self->on_sample != NULL && self->next_sample < self->sample_windows.len / 8
+                  && sample_windows[self->next_sample] == index;
     for (Py_ssize_t p = 0; p < window; p++) {
         PyObject *item = PyIter_Next(self->source);
         if (item == NULL) {
@@ -650,10 +671,15 @@ window_dealer_read(WindowDealerObject *self)
             return PyErr_Occurred() ? -1 : 0;
         }
         self->position++;
-        if (sampled && p == window - 1 && PyList_Append(self->samples, item) < 0) {
-            Py_DECREF(item);
-            window_dealer_release(self);
-            return -1;
+        if (sampled && p == window - 1) {
+            PyObject *done_with = PyObject_CallOneArg(self->on_sample, item);
+            if (done_with == NULL) {
+                Py_DECREF(item);
+                window_dealer_release(self);
+                return -1;
+            }
+            Py_DECREF(done_with);
+            self->next_sample++;
         }
         Py_ssize_t k = slot[p];
         if (k >= 0) {
@@ -686,7 +712,6 @@ window_dealer_next(WindowDealerObject *self)
 
 static PyMemberDef window_dealer_members[] = {
     {"read", T_PYSSIZET, offsetof(WindowDealerObject, position), READONLY, "positions read so far"},
-    {"samples", T_OBJECT, offsetof(WindowDealerObject, samples), READONLY, "the sampled windows' last items"},
     {NULL},
 };
 
@@ -695,8 +720,8 @@ static PyTypeObject WindowDealerType = {
     .tp_name = "lightning_ddp_ext._compact.WindowDealer",
     .tp_basicsize = sizeof(WindowDealerObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = PyDoc_STR("WindowDealer(items, seed, window, world, rank, first, end, sample_every): this rank's"
-                        " items of each complete window, permuted by seed unless it is None."),
+    .tp_doc = PyDoc_STR("WindowDealer(items, seed, window, world, rank, first, end, sample_windows, on_sample):"
+                        " this rank's items of each complete window, permuted by seed unless it is None."),
     .tp_new = window_dealer_new,
     .tp_dealloc = (destructor)window_dealer_dealloc,
     .tp_traverse = (traverseproc)window_dealer_traverse,

@@ -10,7 +10,6 @@ class Store:
 
 class WindowDealer(Iterator[Any]):
     read: int
-    samples: List[Any]
     def __init__(
         self,
         items: Iterator[Any],
@@ -20,6 +19,7 @@ class WindowDealer(Iterator[Any]):
         rank: int,
         first: int,
         end: int,
-        sample_every: int,
+        sample_windows: Any,  # ascending window indices: a C-contiguous int64 buffer
+        on_sample: Optional[Callable[[Any], Any]],
     ) -> None: ...
     def __next__(self) -> Any: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -77,6 +77,12 @@ class RunningDigest:
         for offset, item in enumerate(items):
             self._value = hash((self._value, start + offset, self._key(item, start + offset)))
         self._items = max(self._items, start + len(items))
+
+    def include_as_read(self, positions: Iterable[int]) -> Callable[[Any], None]:
+        """A callable that hashes each item it is given as the one at the next of ``positions``: for the C
+        dealer, which hands its samples over as it reads them instead of keeping them for later."""
+        upcoming = iter(positions)
+        return lambda item: self.include((item,), next(upcoming))
 
     def _key(self, item: Any, position: int) -> Any:
         try:

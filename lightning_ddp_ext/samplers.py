@@ -35,14 +35,17 @@ __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "Lengt
 
 T = TypeVar("T")
 
-# Own items per block of windows: the windowed shuffle's unit of Python work and of the digest's sample.
+# Own items per block of windows: the windowed shuffle's unit of Python work (and of the digest's samples).
 # Without the C helper a rank holds a whole block: a held item's memory stays in the core's caches only
 # while few are alive at once, and holding about a hundred batches costs a few percent over freeing each
 # at once, a thousand nearly double the epoch (measured in benchmarks/sampler_overhead.py). The helper
 # holds one window at a time, whatever the block.
 _WINDOW_BLOCK_ITEMS = 128
-# Rounds the unshuffled path deals in C between two Python steps (each hashes one round for the digest).
-_CHUNK_ROUNDS = 256
+# Rounds the unshuffled path deals in C between two Python steps (each hashes one item for the digest).
+_CHUNK_ROUNDS = 1024
+# Positions between two digest samples of the windowed shuffle, at least: a sample costs about 3 us to hash,
+# the user's sampler about 0.7 us per position.
+_SAMPLE_SPACING = 1024
 # Leading items the unshuffled path reads in Python (the digest hashes the first items in full).
 _HEAD_ITEMS = 64
 # Positions the whole-epoch shuffle reads per block: a few Python steps per block, and one digest sample.
@@ -304,21 +307,23 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         position = head_end
         while position < final_start:
             size = min(full_chunk, final_start - position)
-            if compact is not None:  # windows of one round, unpermuted; the chunk's last item is the sample
+            sample_at = position + size - 1  # the chunk's last item is the digest's sample
+            if compact is not None:  # windows of one round, unpermuted
                 rounds = size // world
-                dealer = compact.WindowDealer(items, None, world, world, rank, 0, rounds, rounds)
+                sample = digest.include_as_read((sample_at,))
+                last_window = np.array([rounds - 1])
+                dealer = compact.WindowDealer(items, None, world, world, rank, 0, rounds, last_window, sample)
                 yield dealer
-                read, sample = dealer.read, dealer.samples
+                read = dealer.read
             else:
                 selectors = iter(b"\x01" * (size - world))  # compress keeps every item, counting them
                 yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
                 last = list(islice(items, world))
                 read = size - world - length_hint(selectors) + len(last)
-                sample = last[-1:]
             if read < size:
                 raise self._mismatch(length, position + read)
-            digest.include(sample, position + size - 1)
             if compact is None:
+                digest.include(last[-1:], sample_at)
                 yield (last[rank],)
             position += size
         final = list(islice(items, max(0, length - final_start)))
@@ -344,9 +349,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
         A window's permutation is known before the window is read (see ``_window_permutations``), so the rank
         knows which of its positions it takes and frees the other ranks' items at once. Windows are read in
-        blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. Each block's last position is kept on every rank,
-        as the digest's sample of the block. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the
-        digest hashes them in full, and padding repeats them.
+        blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. The last position of every few blocks (about one
+        in ``_SAMPLE_SPACING`` positions, see ``_sampled_block_ends``) is the digest's sample, which every rank
+        hashes. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the digest hashes them in full,
+        and padding repeats them.
 
         A window yields only once it was read whole (a block in the head or at the end only once the whole
         block was), so all ranks yield the same number of items even when the sampler runs out early or
@@ -362,6 +368,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         head: List[Any] = []
         per_window = window // world
         windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
+        blocks_per_sample = max(1, _SAMPLE_SPACING // (windows_per_block * window))
         seed = int(torch.randint(2**63 - 1, (), generator=generator))
         compact = _store._compact
         windows = -(-total // window)
@@ -369,12 +376,15 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         for first, end in _plan_ranges(windows, window):
             for dealt_in_c, group_first, group_end in _split_range(first, end, windows, windows_per_block, past_head):
                 if dealt_in_c:
+                    samples = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
+                    samples = samples[(samples > group_first) & (samples <= group_end)]
                     yield from self._deal_windows(
-                        compact, items, seed, group_first, group_end, window, windows_per_block, length, digest
+                        compact, items, seed, group_first, group_end, window, samples, length, digest
                     )
                     continue
                 plan = _window_plan(
-                    seed, group_first, group_end, window, total, length, windows_per_block, head_end, world, self.rank
+                    seed, group_first, group_end, window, total, length, windows_per_block, blocks_per_sample,
+                    head_end, world, self.rank,
                 )
                 for block in plan.blocks:
                     mask = plan.mask[block.mask_start : block.mask_end]
@@ -402,7 +412,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                             if positions:
                                 yield [picked[position] for position in positions]
                             raise failure or self._mismatch(length, block.start + read)
-                        _hash_block(digest, picked, block.start, len(mask), 0)
+                        if block.sampled:
+                            _hash_block(digest, picked, block.start, len(mask), 0)
                     if len(positions) > 1:
                         yield itemgetter(*positions)(picked)
                     elif positions:
@@ -417,21 +428,19 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         first: int,
         end: int,
         window: int,
-        windows_per_block: int,
+        sampled_ends: np.ndarray[Any, Any],
         length: int,
         digest: RunningDigest,
     ) -> Iterator[Iterable[T]]:
         """Deal windows ``first`` to ``end - 1``, whole blocks of them, through the C helper's ``WindowDealer``,
-        then hash each block's sample (its last position, which the dealer returns) as the Python path does."""
+        which hashes the last item of each sampled block (those ending before the windows ``sampled_ends``) as
+        it reads it, as the Python path does after reading the block."""
+        sample = digest.include_as_read((sampled_ends * window - 1).tolist())
         world, rank = self.num_replicas, self.rank
-        dealer = compact.WindowDealer(items, seed, window, world, rank, first, end, windows_per_block)
+        dealer = compact.WindowDealer(items, seed, window, world, rank, first, end, sampled_ends - 1, sample)
         yield dealer
         if dealer.read < (end - first) * window:
             raise self._mismatch(length, first * window + dealer.read)
-        block = windows_per_block * window
-        block_ends = chain(range(first * window + block, end * window, block), (end * window,))
-        for block_end, sample in zip(block_ends, dealer.samples):
-            digest.include((sample,), block_end - 1)
 
     def _full_shuffle_blocks(
         self, length: int, total: int, digest: RunningDigest, generator: torch.Generator
@@ -491,6 +500,18 @@ class _WindowBlock(NamedTuple):
     order_start: int  # the block's span in ``_WindowPlan.order``
     order_end: int
     last: bool = False  # the epoch's last block
+    sampled: bool = True  # a plain block whose last item the digest hashes (see _sampled_block_ends)
+
+
+def _sampled_block_ends(first: int, end: int, windows_per_block: int, blocks_per_sample: int) -> np.ndarray[Any, Any]:
+    """Where the blocks end (one past their last window) whose last item the digest samples, among the blocks of
+    ``windows_per_block`` windows from window ``first`` to ``end - 1``: every ``blocks_per_sample``-th block,
+    and the last one. Head blocks and the epoch's last block are sampled whatever this says."""
+    block_ends = np.minimum(np.arange(first + windows_per_block, end + windows_per_block, windows_per_block), end)
+    sampled = block_ends[blocks_per_sample - 1 :: blocks_per_sample]
+    if not len(sampled) or sampled[-1] != end:
+        sampled = np.append(sampled, end)
+    return sampled.astype(np.int64)
 
 
 class _WindowPlan(NamedTuple):
@@ -582,6 +603,7 @@ def _window_plan(
     total: int,
     length: int,
     windows_per_block: int,
+    blocks_per_sample: int,
     head_end: int,
     world: int,
     rank: int,
@@ -618,14 +640,19 @@ def _window_plan(
         index[padded] = kept[-1] + (own[padded] + start - length) % length
     order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
     heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
+    block_end_windows = first - (-np.minimum(block_starts + windows_per_block * window, stop - start) // window)
+    sampled = np.isin(block_end_windows, _sampled_block_ends(first, end, windows_per_block, blocks_per_sample))
     blocks = [
-        _WindowBlock(start + block_start, kept_count, head, block_start, read_stop, *order)
-        for block_start, read_stop, kept_count, head, order in zip(
+        _WindowBlock(
+            start + block_start, kept_count, head, block_start, read_stop, order_start, order_end, sampled=is_sampled
+        )
+        for block_start, read_stop, kept_count, head, (order_start, order_end), is_sampled in zip(
             block_starts.tolist(),
             block_read_ends.tolist(),
             kept.tolist(),
             heads.tolist(),
             zip(order_bounds, order_bounds[1:]),
+            sampled.tolist(),
         )
     ]
     if stop == total:

@@ -18,6 +18,7 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
+    _sampled_block_ends,
     _split_range,
     _window_permutations,
 )
@@ -172,6 +173,14 @@ def test_the_c_helper_deals_neither_the_head_nor_the_last_block() -> None:
     assert _split_range(9, 70, 70, 8, 1) == [(True, 9, 65), (False, 65, 70)]  # a short last block
     assert _split_range(1, 9, 9, 8, 1) == [(False, 1, 9)]  # one block, the last
     assert _split_range(9, 73, 100, 8, 100) == [(False, 9, 73)]  # past_head = all windows: no C helper
+
+
+def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
+    """Blocks end (one past their last window) at first + 8, first + 16, ..., end; every fourth is sampled."""
+    assert _sampled_block_ends(0, 20, 8, 1).tolist() == [8, 16, 20]
+    assert _sampled_block_ends(1, 73, 8, 4).tolist() == [33, 65, 73]
+    assert _sampled_block_ends(0, 3, 8, 4).tolist() == [3]
+    assert _sampled_block_ends(0, 64, 8, 4).tolist() == [32, 64]
 
 
 @settings(max_examples=60, deadline=None)

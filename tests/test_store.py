@@ -36,6 +36,9 @@ def stored(store: CompactStore) -> List[Any]:
     return list(chain.from_iterable(store.blocks_in_order(np.arange(len(store)))))
 
 
+NO_SAMPLES = np.zeros(0, dtype=np.int64)  # a WindowDealer's sample_windows when nothing is sampled
+
+
 def as_ints(item: Any) -> Any:
     return int(item) if isinstance(item, (int, np.integer)) else [int(i) for i in item]
 
@@ -202,11 +205,12 @@ def test_the_window_dealer_deals_unshuffled_rounds() -> None:
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    dealer = compact.WindowDealer(iter(range(8)), None, 3, 3, 1, 0, 2, 2)
-    assert list(dealer) == [1, 4] and dealer.samples == [5] and dealer.read == 6  # the chunk's last item
-    short = compact.WindowDealer(iter(range(5)), None, 3, 3, 1, 0, 2, 2)
-    assert list(short) == [1] and short.read == 5 and short.samples == []  # the unfinished round yields nothing
-    assert list(compact.WindowDealer(iter("abcd"), None, 4, 2, 1, 0, 1, 1)) == ["b", "d"]  # a window of 2 rounds
+    samples: List[Any] = []
+    dealer = compact.WindowDealer(iter(range(8)), None, 3, 3, 1, 0, 2, np.array([1]), samples.append)
+    assert list(dealer) == [1, 4] and samples == [5] and dealer.read == 6  # the chunk's last item
+    short = compact.WindowDealer(iter(range(5)), None, 3, 3, 1, 0, 2, np.array([1]), samples.append)
+    assert list(short) == [1] and short.read == 5 and samples == [5]  # the unfinished round yields nothing
+    assert list(compact.WindowDealer(iter("abcd"), None, 4, 2, 1, 0, 1, NO_SAMPLES, None)) == ["b", "d"]  # 2 rounds
 
 
 def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
@@ -220,15 +224,18 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
             window = world * per_rank
             permutations = _window_permutations(seed, 5, 7, window, window)
             items = range(5 * window, 12 * window)
-            shares = [list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, 3)) for rank in range(world)]
+            shares = [
+                list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, NO_SAMPLES, None)) for rank in range(world)
+            ]
             for rank, share in enumerate(shares):
                 own = permutations[:, rank::world] + np.arange(5 * window, 12 * window, window)[:, None]
                 assert share == own.reshape(-1).tolist()
             assert sorted(chain.from_iterable(shares)) == list(items)
-    dealer = compact.WindowDealer(iter(range(70)), 7, 10, 2, 0, 0, 7, 3)
+    samples: List[Any] = []
+    dealer = compact.WindowDealer(iter(range(70)), 7, 10, 2, 0, 0, 7, np.array([2, 5, 6]), samples.append)
     list(dealer)
-    assert dealer.samples == [29, 59, 69] and dealer.read == 70  # every third window's last item, and the last's
-    modular = [list(compact.WindowDealer(iter(range(32)), seed, 32, 2, 0, 0, 1, 1)) for seed in (-1, 2**64 - 1)]
+    assert samples == [29, 59, 69] and dealer.read == 70  # the listed windows' last items
+    modular = [list(compact.WindowDealer(iter(range(32)), seed, 32, 2, 0, 0, 1, NO_SAMPLES, None)) for seed in (-1, 2**64 - 1)]
     assert modular[0] == modular[1]  # seeds count modulo 2**64, as in numpy
 
 
@@ -239,10 +246,11 @@ def test_the_window_dealer_yields_only_complete_windows_and_checks_its_arguments
     permutations = _window_permutations(3, 0, 3, 4, 4)
     own = (permutations[:, 0::2] + np.arange(0, 12, 4)[:, None]).reshape(-1).tolist()
     letters = "abcdefghijkl"
-    dealer = compact.WindowDealer(iter(letters), 3, 4, 2, 0, 0, 3, 1)
-    assert list(dealer) == [letters[p] for p in own] and (dealer.read, dealer.samples) == (12, ["d", "h", "l"])
+    samples: List[Any] = []
+    dealer = compact.WindowDealer(iter(letters), 3, 4, 2, 0, 0, 3, np.arange(3), samples.append)
+    assert list(dealer) == [letters[p] for p in own] and (dealer.read, samples) == (12, ["d", "h", "l"])
     items = iter(letters[:10])  # runs out inside the third window: its items are not yielded
-    dealer = compact.WindowDealer(items, 3, 4, 2, 0, 0, 3, 1)
+    dealer = compact.WindowDealer(items, 3, 4, 2, 0, 0, 3, NO_SAMPLES, None)
     assert list(dealer) == [letters[p] for p in own[:4]] and dealer.read == 10 and list(items) == []
     assert list(dealer) == []
 
@@ -250,49 +258,57 @@ def test_the_window_dealer_yields_only_complete_windows_and_checks_its_arguments
         yield from letters[:5]
         raise RuntimeError("sampler broke")
 
-    dealer = compact.WindowDealer(failing(), 3, 4, 2, 0, 0, 3, 1)
-    assert [next(dealer), next(dealer)] == [letters[p] for p in own[:2]]
-    with pytest.raises(RuntimeError, match="sampler broke"):
-        next(dealer)
-    assert list(dealer) == []
+    def refuse_the_second(item: str) -> None:
+        if item == "h":
+            raise TypeError("not an index")
 
+    for items, error, message in ((failing(), RuntimeError, "sampler broke"), (iter(letters), TypeError, "not an")):
+        dealer = compact.WindowDealer(items, 3, 4, 2, 0, 0, 3, np.arange(3), refuse_the_second)
+        assert [next(dealer), next(dealer)] == [letters[p] for p in own[:2]]
+        with pytest.raises(error, match=message):  # the sampler's error, or the sample's: the window is dropped
+            next(dealer)
+        assert list(dealer) == []
 
     class Item:  # weakly referable, to see which items are still alive
         pass
 
     created: "weakref.WeakSet[Item]" = weakref.WeakSet()
 
-    def make(count: int) -> Iterator[Item]:
+    def remembered(item: Item) -> Item:
+        created.add(item)
+        return item
+
+    def make(count: int) -> Iterator[Item]:  # keeps no reference to what it yielded
         for _ in range(count):
-            item = Item()
-            created.add(item)
-            yield item
+            yield remembered(Item())
 
     for count in (12, 10, 6):  # every window complete; the third, or the second, left unfinished
-        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, 1)
+        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, np.arange(3), lambda item: None)
         yielded = list(dealer)
-        assert set(created) == set(yielded) | set(dealer.samples)  # an unfinished window's items are dropped
+        assert set(created) == set(yielded)  # an unfinished window's items, and the samples, are dropped
         del yielded, dealer
         assert not created
-        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, 1)
+        dealer = compact.WindowDealer(make(count), 3, 4, 2, 0, 0, 3, NO_SAMPLES, None)
         first = next(dealer)
         del dealer  # with items held but not yielded yet
         assert set(created) == {first}
         del first
     with pytest.raises(ValueError, match="window a multiple of world, got window 5, world 2"):
-        compact.WindowDealer(iter("ab"), 3, 5, 2, 0, 0, 1, 1)
+        compact.WindowDealer(iter("ab"), 3, 5, 2, 0, 0, 1, NO_SAMPLES, None)
     with pytest.raises(ValueError, match="got window 0"):
-        compact.WindowDealer(iter("ab"), 3, 0, 1, 0, 0, 1, 1)
-    with pytest.raises(ValueError, match="0 <= rank < world"):
-        compact.WindowDealer(iter("ab"), 3, 4, 2, 2, 0, 1, 1)
-    with pytest.raises(ValueError, match="sample_every >= 1"):
-        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 0, 1, 0)
-    with pytest.raises(ValueError, match="first <= end"):
-        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 2, 1, 1)
+        compact.WindowDealer(iter("ab"), 3, 0, 1, 0, 0, 1, NO_SAMPLES, None)
+    with pytest.raises(ValueError, match="0 <= rank < world and 0 <= first <= end, got rank 2"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 2, 0, 1, NO_SAMPLES, None)
+    with pytest.raises(TypeError, match="sample_windows must be a contiguous buffer of int64"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 0, 1, np.arange(3, dtype=np.int32), None)
+    with pytest.raises(ValueError, match="got rank 0, first 2, end 1"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 2, 1, NO_SAMPLES, None)
     with pytest.raises(TypeError, match="seed must be an int or None, got str"):
-        compact.WindowDealer(iter("ab"), "3", 4, 2, 0, 0, 1, 1)
+        compact.WindowDealer(iter("ab"), "3", 4, 2, 0, 0, 1, NO_SAMPLES, None)
+    with pytest.raises(TypeError, match="on_sample must be callable or None, got int"):
+        compact.WindowDealer(iter("ab"), 3, 4, 2, 0, 0, 1, NO_SAMPLES, 5)
     with pytest.raises(TypeError, match="items must be an iterator"):
-        compact.WindowDealer("abcd", 3, 4, 2, 0, 0, 1, 1)
+        compact.WindowDealer("abcd", 3, 4, 2, 0, 0, 1, NO_SAMPLES, None)
 
 
 def test_the_c_store_checks_its_arguments() -> None:
