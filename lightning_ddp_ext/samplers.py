@@ -362,7 +362,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         whole, or its complete windows if the sampler stopped inside it: the same items on both paths.
         """
         items = iter(self.source)
-        world = self.num_replicas
+        world, rank = self.num_replicas, self.rank
         pad_count = total - length
         head_end = max(_HEAD_ITEMS, pad_count)  # leading positions every rank keeps: digest head, padding
         head: List[Any] = []
@@ -372,53 +372,48 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         seed = int(torch.randint(2**63 - 1, (), generator=generator))
         compact = _store._compact
         windows = -(-total // window)
-        past_head = -(-head_end // window) if compact is not None else windows  # C deals no window before it
-        for first, end in _plan_ranges(windows, window):
-            for dealt_in_c, group_first, group_end in _split_range(first, end, windows, windows_per_block, past_head):
-                if dealt_in_c:
-                    samples = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
-                    samples = samples[(samples > group_first) & (samples <= group_end)]
-                    yield from self._deal_windows(
-                        compact, items, seed, group_first, group_end, window, samples, length, digest
-                    )
-                    continue
-                plan = _window_plan(
-                    seed, group_first, group_end, window, total, length, windows_per_block, blocks_per_sample,
-                    head_end, world, self.rank,
-                )
-                for block in plan.blocks:
-                    mask = plan.mask[block.mask_start : block.mask_end]
-                    positions = plan.order[block.order_start : block.order_end].tolist()
-                    if block.head or block.last:
-                        picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
-                        head.extend(picked[: block.head])
-                        if block.start == 0:
-                            self._head_digest = digest.snapshot()
-                        if block.last:
-                            self._check_exhausted(items, block.start + len(mask), length)
-                            digest.update((), length)
-                            picked.extend(head[:pad_count])
-                    else:
-                        selectors = iter(mask)
-                        picked = []
-                        failure: Optional[Exception] = None
-                        try:
-                            picked.extend(compress(islice(items, len(mask)), selectors))  # keeps what it read
-                        except Exception as error:  # the sampler's: raised after the complete windows, as in C
-                            failure = error
-                        read = len(mask) - length_hint(selectors)
-                        if failure is not None or read < len(mask):
-                            positions = positions[: read // window * per_window]  # the complete windows' items
-                            if positions:
-                                yield [picked[position] for position in positions]
-                            raise failure or self._mismatch(length, block.start + read)
-                        if block.sampled:
-                            _hash_block(digest, picked, block.start, len(mask), 0)
-                    if len(positions) > 1:
-                        yield itemgetter(*positions)(picked)
-                    elif positions:
-                        yield (picked[positions[0]],)
-                del plan  # before the next plan is drawn: two plans' arrays never coexist
+        head_windows = -(-head_end // window)
+        for first, end in _plan_ranges(windows, window, head_windows):
+            if compact is not None and first >= head_windows and end < windows:  # neither head nor last window
+                samples = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
+                yield from self._deal_windows(compact, items, seed, first, end, window, samples, length, digest)
+                continue
+            plan = _window_plan(
+                seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank
+            )
+            for block in plan.blocks:
+                mask = plan.mask[block.mask_start : block.mask_end]
+                positions = plan.order[block.order_start : block.order_end].tolist()
+                if block.head or block.last:
+                    picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
+                    head.extend(picked[: block.head])
+                    if block.start == 0:
+                        self._head_digest = digest.snapshot()
+                    if block.last:
+                        self._check_exhausted(items, block.start + len(mask), length)
+                        digest.update((), length)
+                        picked.extend(head[:pad_count])
+                else:
+                    selectors = iter(mask)
+                    picked = []
+                    failure: Optional[Exception] = None
+                    try:
+                        picked.extend(compress(islice(items, len(mask)), selectors))  # keeps what it read
+                    except Exception as error:  # the sampler's: raised after the complete windows, as in C
+                        failure = error
+                    read = len(mask) - length_hint(selectors)
+                    if failure is not None or read < len(mask):
+                        positions = positions[: read // window * per_window]  # the complete windows' items
+                        if positions:
+                            yield [picked[position] for position in positions]
+                        raise failure or self._mismatch(length, block.start + read)
+                    if block.sampled:
+                        _hash_block(digest, picked, block.start, len(mask), 0)
+                if len(positions) > 1:
+                    yield itemgetter(*positions)(picked)
+                elif positions:
+                    yield (picked[positions[0]],)
+            del plan  # before the next plan is drawn: two plans' arrays never coexist
 
     def _deal_windows(
         self,
@@ -522,31 +517,26 @@ class _WindowPlan(NamedTuple):
     blocks: List[_WindowBlock]
 
 
-def _plan_ranges(windows: int, window: int) -> Iterator[tuple[int, int]]:
-    """Split ``windows`` windows into ranges of 1, 8, 64, ... windows, up to ``_MAX_PERMUTATION_ELEMENTS``
-    positions: the first batch costs one tiny plan whatever the epoch's length, a short epoch needs few numpy
-    calls, and a plan's arrays stay small. Blocks start at each range's first window."""
-    first, size = 0, 1
-    while first < windows:
-        yield first, min(windows, first + size)
-        first += size
+def _plan_ranges(windows: int, window: int, head_windows: int) -> Iterator[tuple[int, int]]:
+    """Split ``windows`` windows into ranges planned (or dealt) in one go: the first window on its own (the
+    first batch waits for one small plan whatever the epoch's length), the rest of the windows that hold the
+    head, then 8, 64, ... windows up to ``_MAX_PERMUTATION_ELEMENTS`` positions (a short epoch needs few numpy
+    calls, and a plan's arrays stay small), and the epoch's last window on its own. Every range between the
+    head and the last window holds only whole windows that every rank reads alike: the C helper deals them.
+    Blocks start at each range's first window."""
+    first = 0
+    for end in (1, head_windows):  # the first window, then the rest of the head
+        if first < min(end, windows):
+            yield first, min(end, windows)
+            first = min(end, windows)
+    size = _PLAN_GROWTH
+    while first < windows - 1:
+        end = min(windows - 1, first + size)
+        yield first, end
+        first = end
         size = min(size * _PLAN_GROWTH, max(1, _MAX_PERMUTATION_ELEMENTS // window))
-
-
-
-def _split_range(
-    first: int, end: int, windows: int, windows_per_block: int, past_head: int
-) -> List[tuple[bool, int, int]]:
-    """Split the windows ``first .. end - 1`` of a plan range (blocks of ``windows_per_block`` windows from
-    ``first``) into consecutive groups ``(dealt_in_c, group_first, group_end)``: the blocks the C helper
-    deals (none starting before window ``past_head``, which holds the head, and none holding the epoch's last
-    window, which holds padding and the length check) between the blocks that Python plans."""
-    c_first = first + -(-max(0, past_head - first) // windows_per_block) * windows_per_block
-    c_end = end if end < windows else first + (windows - 1 - first) // windows_per_block * windows_per_block
-    if c_first >= c_end:
-        return [(False, first, end)]
-    groups = [(False, first, c_first), (True, c_first, c_end), (False, c_end, end)]
-    return [group for group in groups if group[1] < group[2]]
+    if first < windows:
+        yield first, windows
 
 
 # Windows permuted together: below this many, a Python loop over each window's swaps is cheaper than a numpy

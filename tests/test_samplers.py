@@ -18,8 +18,8 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
+    _plan_ranges,
     _sampled_block_ends,
-    _split_range,
     _window_permutations,
 )
 
@@ -162,17 +162,15 @@ def test_window_permutations_are_uniform_and_fixed() -> None:
     assert len({tuple(row) for row in permutations[:5_000].tolist()}) > 4_600  # 8! = 40,320 are possible
 
 
-def test_the_c_helper_deals_neither_the_head_nor_the_last_block() -> None:
-    """Plan ranges split into Python and C groups of whole blocks (8 windows each here, from the range's first):
-    Python keeps the blocks that hold the head (windows before ``past_head``) and the one that holds the
-    epoch's last window."""
-    assert _split_range(0, 1, 100, 8, 1) == [(False, 0, 1)]
-    assert _split_range(1, 9, 100, 8, 1) == [(True, 1, 9)]
-    assert _split_range(1, 73, 100, 8, 3) == [(False, 1, 9), (True, 9, 73)]  # the head reaches into window 2
-    assert _split_range(9, 73, 73, 8, 1) == [(True, 9, 65), (False, 65, 73)]  # 65..72: the last block
-    assert _split_range(9, 70, 70, 8, 1) == [(True, 9, 65), (False, 65, 70)]  # a short last block
-    assert _split_range(1, 9, 9, 8, 1) == [(False, 1, 9)]  # one block, the last
-    assert _split_range(9, 73, 100, 8, 100) == [(False, 9, 73)]  # past_head = all windows: no C helper
+def test_plan_ranges_set_the_head_and_the_last_window_apart() -> None:
+    """The first window, the rest of the head's windows, then 8, 64, ... windows (up to 65,536 positions), then
+    the last window alone: the C helper deals every range between the head and the last window."""
+    assert list(_plan_ranges(1, 32, 2)) == [(0, 1)]
+    assert list(_plan_ranges(2, 32, 1)) == [(0, 1), (1, 2)]
+    assert list(_plan_ranges(3, 32, 5)) == [(0, 1), (1, 3)]  # the head covers the epoch
+    assert list(_plan_ranges(100, 32, 2)) == [(0, 1), (1, 2), (2, 10), (10, 74), (74, 99), (99, 100)]
+    assert list(_plan_ranges(100, 128, 1)) == [(0, 1), (1, 9), (9, 73), (73, 99), (99, 100)]
+    assert list(_plan_ranges(5000, 32, 2))[4:] == [(74, 586), (586, 2634), (2634, 4682), (4682, 4999), (4999, 5000)]
 
 
 def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
