@@ -50,8 +50,8 @@ _SAMPLE_SPACING = 1024
 _HEAD_ITEMS = 64
 # Positions the whole-epoch shuffle reads per block: a few Python steps per block, and one digest sample.
 _READ_BLOCK = 1024
-# Windows whose permutations are drawn in one call grow 1, 8, 64, ... up to this many elements, so that the
-# first batch costs one tiny draw whatever the epoch's length, and a short epoch needs few numpy calls.
+# Ranges of windows planned (or dealt in C) in one go grow 8, 64, ... windows up to this many positions after
+# the head (see _plan_ranges): a short epoch needs few numpy calls, and a plan's arrays stay small.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
 _PLAN_GROWTH = 8
 # Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
@@ -498,10 +498,12 @@ class _WindowBlock(NamedTuple):
     sampled: bool = True  # a plain block whose last item the digest hashes (see _sampled_block_ends)
 
 
-def _sampled_block_ends(first: int, end: int, windows_per_block: int, blocks_per_sample: int) -> np.ndarray[Any, Any]:
-    """Where the blocks end (one past their last window) whose last item the digest samples, among the blocks of
-    ``windows_per_block`` windows from window ``first`` to ``end - 1``: every ``blocks_per_sample``-th block,
-    and the last one. Head blocks and the epoch's last block are sampled whatever this says."""
+def _sampled_block_ends(
+    first: int, end: int, windows_per_block: int, blocks_per_sample: int
+) -> np.ndarray[Any, Any]:
+    """Where the blocks end (one past their last window) whose last item the digest samples, among the blocks
+    of ``windows_per_block`` windows from window ``first`` to ``end - 1``: every ``blocks_per_sample``-th
+    block, and the last one. Head blocks and the epoch's last block are sampled whatever this says."""
     block_ends = np.minimum(np.arange(first + windows_per_block, end + windows_per_block, windows_per_block), end)
     sampled = block_ends[blocks_per_sample - 1 :: blocks_per_sample]
     if not len(sampled) or sampled[-1] != end:
