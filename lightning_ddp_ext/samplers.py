@@ -632,8 +632,9 @@ def _window_plan(
         index[padded] = kept[-1] + (own[padded] + start - length) % length
     order_bounds = np.searchsorted(block_of, np.arange(len(block_starts) + 1)).tolist()
     heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
-    sampled = np.arange(1, len(block_starts) + 1) % blocks_per_sample == 0  # as _sampled_block_ends says
-    sampled[-1] = True
+    sampled_ends = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
+    sampled = np.zeros(len(block_starts), dtype=np.bool_)
+    sampled[(sampled_ends - first - 1) // windows_per_block] = True  # the blocks that end there
     blocks = [
         _WindowBlock(
             start + block_start, kept_count, head, block_start, read_stop, order_start, order_end, sampled=is_sampled
