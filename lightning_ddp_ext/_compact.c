@@ -507,16 +507,16 @@ mix64(uint64_t z)
     return z ^ (z >> 31);
 }
 
-/* The permutation of window `index` (of `size` positions, counters spaced `stride` apart): Fisher-Yates
- * from the last position down, position i swapping with j = (high 32 bits of the draw) * (i + 1) >> 32,
- * which is in [0, i]. Integer arithmetic only, so every machine (and numpy) computes the same. */
+/* The permutation of window `index` of `size` positions: Fisher-Yates from the last position down, position i
+ * swapping with j = (high 32 bits of mix64(seed + index * size + i)) * (i + 1) >> 32, which is in [0, i].
+ * Integer arithmetic only, so every machine (and numpy) computes the same. */
 static void
-window_permutation(uint64_t seed, Py_ssize_t index, Py_ssize_t size, Py_ssize_t stride, Py_ssize_t *out)
+window_permutation(uint64_t seed, Py_ssize_t index, Py_ssize_t size, Py_ssize_t *out)
 {
     for (Py_ssize_t i = 0; i < size; i++) {
         out[i] = i;
     }
-    uint64_t base = seed + (uint64_t)index * (uint64_t)stride;
+    uint64_t base = seed + (uint64_t)index * (uint64_t)size;
     for (Py_ssize_t i = size - 1; i > 0; i--) {
         uint64_t j = ((mix64(base + (uint64_t)i) >> 32) * (uint64_t)(i + 1)) >> 32;
         Py_ssize_t swapped = out[i];
@@ -556,7 +556,7 @@ window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (world < 1 || window < world || window % world != 0 || window > ((Py_ssize_t)1 << 31)) {
-        PyErr_Format(PyExc_ValueError, "WindowDealer needs 1 <= world <= window < 2**31 with window a multiple"
+        PyErr_Format(PyExc_ValueError, "WindowDealer needs 1 <= world <= window <= 2**31 with window a multiple"
                      " of world, got window %zd, world %zd", window, world);
         return NULL;
     }
@@ -653,7 +653,7 @@ window_dealer_read(WindowDealerObject *self)
     }
     Py_ssize_t window = self->window, *slot = self->slot;
     if (self->shuffled) {
-        window_permutation(self->seed, index, window, window, self->permutation);
+        window_permutation(self->seed, index, window, self->permutation);
         for (Py_ssize_t p = 0; p < window; p++) {
             slot[p] = -1;
         }
