@@ -6,6 +6,7 @@ is still alive when it returns or fails, so a hanging collective fails the test 
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -18,6 +19,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 90.0
+
+
+def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
+    """The start method for DataLoader workers in a rank: a fork server, not a fork of the rank itself.
+
+    CPython before 3.11.10 (3.10.15, 3.9.20) can deadlock a child forked while another thread of the parent
+    is starting or ending (gh-112275), and a rank's threads do end: every finished DataLoader iterator ends
+    its queue-feeder threads, and the next epoch forks its workers right after. A deadlocked worker hangs
+    its rank, and through the next collective the job (seen about once in 20 loaded runs here). The fork
+    server has a single thread.
+
+    ``preload``: installed modules the workers need besides torch, imported once in the server instead of
+    in every worker. 3.11's server imports neither ``__main__`` (its default) nor anything off the default
+    ``sys.path``. Call this in a fresh rank, before any worker starts: the preload list is the process's.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", *preload])
+    return context
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Iterator, List
 
 import pytest
 import torch
-from distributed_helpers import run_distributed
+from distributed_helpers import run_distributed, worker_context
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -119,9 +119,9 @@ def test_unknown_option_is_rejected() -> None:
 
 
 def _three_rank_epochs(rank: int, world_size: int) -> Any:
-    # Workers forked, not spawned: a spawned rank would otherwise spawn (and re-import torch in) every worker.
     loader = DataLoader(
-        Squares(), batch_sampler=ClassBalancedBatches(30, 4, seed=11), num_workers=2, multiprocessing_context="fork"
+        Squares(), batch_sampler=ClassBalancedBatches(30, 4, seed=11), num_workers=2,
+        multiprocessing_context=worker_context("lightning_ddp_ext", "pytest"),  # this module imports them
     )
     patched = patch_dataloader_to_ddp(loader, shuffle=True, shuffle_window=1)  # world and rank from the group
     assert patched.num_workers == 2 and patched.multiprocessing_context is loader.multiprocessing_context

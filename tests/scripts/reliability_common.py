@@ -23,6 +23,7 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))  # for `scenarios` when this runs from a script
 
 import torch  # noqa: E402
+from distributed_helpers import worker_context  # noqa: E402
 from scenarios import IndexDataset, PKBatches, Recorder, labels_for, trainer_kwargs  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -141,7 +142,10 @@ def strategy(start_method: str = "popen", **options: Any) -> CustomDDP:
 def pk_loader(size: int = 48, seed: int = 1, num_workers: int = 0) -> DataLoader:
     """P x K batches (2 classes x 4 samples): ``size // 8`` batches per epoch, different every epoch."""
     sampler = PKBatches(labels_for(size), p=2, k=4, seed=seed)
-    return DataLoader(IndexDataset(size), batch_sampler=sampler, num_workers=num_workers)
+    context = worker_context("lightning.pytorch") if num_workers else None  # workers re-run a script's imports
+    return DataLoader(
+        IndexDataset(size), batch_sampler=sampler, num_workers=num_workers, multiprocessing_context=context
+    )
 
 
 class FaultyRecorder(Recorder):
