@@ -16,8 +16,10 @@ No Lightning import here: this works with plain ``torch.distributed``.
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import sys
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -39,6 +41,11 @@ WRAPPER_OPTIONS = ("shuffle", "seed", "pad", "shuffle_window", "even_shares")
 # argument of DataLoader's signature (read at call time, so new torch arguments carry over) is copied.
 _SAMPLING_ARGUMENTS = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"}
 
+#: The first release of each affected CPython line that no longer deadlocks a child forked while another
+#: thread of the parent starts or ends (gh-112275; 3.12 and later never did).
+_FORK_DEADLOCK_FIXED_IN = {(3, 9): 20, (3, 10): 15, (3, 11): 10}
+_PYTHON = (sys.version_info.major, sys.version_info.minor, sys.version_info.micro)
+
 _warned: set[str] = set()
 
 
@@ -46,6 +53,35 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _worker_start_method(loader: DataLoader) -> str:
+    """How the loader starts its worker processes: its ``multiprocessing_context``, else the default one."""
+    context = loader.multiprocessing_context
+    if context is not None:
+        return str(context.get_start_method())
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
+def _fork_deadlock_warning(loader: DataLoader, version: Tuple[int, int, int] = _PYTHON) -> Optional[str]:
+    """A warning when the loader forks its workers on a Python that can deadlock a forked child, else None.
+
+    A rank has threads that start and end (every finished DataLoader iterator ends its queue-feeder threads,
+    just before the next epoch forks new workers). On CPython before 3.11.10 (3.10.15, 3.9.20) a child forked
+    at such a moment can deadlock before it runs any code: its rank waits for it forever, and the other ranks
+    fail at the process-group timeout with an error that does not name the cause.
+    """
+    fixed = _FORK_DEADLOCK_FIXED_IN.get((version[0], version[1]))
+    if loader.num_workers == 0 or fixed is None or version[2] >= fixed or _worker_start_method(loader) != "fork":
+        return None
+    release = ".".join(map(str, version))
+    return (
+        f"DataLoader workers are forked, and Python {release} can deadlock a forked worker before it starts"
+        f" (CPython issue gh-112275, fixed in {version[0]}.{version[1]}.{fixed}): the rank then waits for it"
+        " forever and the other ranks fail at the process-group timeout. Each start of the workers risks it (every"
+        " epoch, unless persistent_workers=True). Upgrade Python, or start the workers from a fork server:"
+        " DataLoader(..., multiprocessing_context='forkserver', persistent_workers=True)."
+    )
 
 
 def is_sharded(loader: DataLoader) -> bool:
@@ -131,6 +167,9 @@ def patch_dataloader_to_ddp(
     if is_sharded(loader):
         return loader
     world, own_rank = _resolve_world(num_replicas, rank, "patch_dataloader_to_ddp")
+    fork_risk = _fork_deadlock_warning(loader)
+    if fork_risk is not None and world > 1:
+        _warn_once(f"patch_dataloader_to_ddp: {fork_risk}")
     wrapper_kwargs = dict(options, num_replicas=world, rank=own_rank)
     carried = _carried_arguments(loader)
     dataset = loader.dataset

@@ -1,6 +1,8 @@
 """patch_dataloader_to_ddp: what gets wrapped, what carries over, and a real 3-process gloo run."""
 from __future__ import annotations
 
+import multiprocessing
+import sys
 import warnings
 from typing import Any, Iterator, List
 
@@ -10,7 +12,7 @@ from distributed_helpers import run_distributed, worker_context
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext import dataloader, patch_dataloader_to_ddp
 from lightning_ddp_ext.consistency import verify_same_sequence
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
@@ -111,6 +113,56 @@ def test_unchanged_with_warning_when_nothing_to_shard() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert patch_dataloader_to_ddp(plain) is plain  # warned once only
+
+
+DEFAULT_STARTS_BY_FORK = multiprocessing.get_all_start_methods()[0] == "fork"  # Linux before Python 3.14
+
+
+@pytest.mark.parametrize(
+    "version,workers,context,warns",
+    [
+        ((3, 11, 7), 2, None, DEFAULT_STARTS_BY_FORK),
+        ((3, 11, 9), 1, "fork", True),
+        ((3, 10, 14), 1, "fork", True),
+        ((3, 9, 19), 1, "fork", True),
+        ((3, 11, 10), 2, "fork", False),
+        ((3, 10, 15), 2, "fork", False),
+        ((3, 12, 0), 2, "fork", False),
+        ((3, 11, 7), 0, None, False),
+        ((3, 11, 7), 2, "forkserver", False),
+        ((3, 11, 7), 2, "spawn", False),
+    ],
+)
+def test_forked_workers_on_an_affected_python_are_named(
+    version: tuple, workers: int, context: Any, warns: bool
+) -> None:
+    loader = DataLoader(Squares(), num_workers=workers, multiprocessing_context=context)
+    message = dataloader._fork_deadlock_warning(loader, version)
+    if not warns:
+        assert message is None
+        return
+    assert message is not None
+    release = ".".join(map(str, version))
+    fixed = {(3, 9): "3.9.20", (3, 10): "3.10.15", (3, 11): "3.11.10"}[version[:2]]
+    assert f"Python {release} can deadlock a forked worker" in message and f"fixed in {fixed}" in message
+    assert "multiprocessing_context='forkserver'" in message
+
+
+def test_patching_forked_workers_warns_once_where_python_is_affected(monkeypatch: pytest.MonkeyPatch) -> None:
+    major_minor, micro = sys.version_info[:2], sys.version_info[2]
+    monkeypatch.setattr(dataloader, "_warned", set())
+    monkeypatch.setitem(dataloader._FORK_DEADLOCK_FIXED_IN, major_minor, micro + 1)  # as if this Python were affected
+    forked = DataLoader(Squares(), batch_size=4, num_workers=1, multiprocessing_context="fork")
+    with pytest.warns(UserWarning, match="gh-112275"):
+        patch_dataloader_to_ddp(forked, 2, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_dataloader_to_ddp(forked, 2, 1)  # once per process
+        patch_dataloader_to_ddp(DataLoader(Squares(), num_workers=1, multiprocessing_context="forkserver"), 2, 0)
+        monkeypatch.setattr(dataloader, "_warned", set())
+        patch_dataloader_to_ddp(forked, 1, 0)  # one rank: nothing waits on it
+        monkeypatch.setitem(dataloader._FORK_DEADLOCK_FIXED_IN, major_minor, micro)  # this Python has the fix
+        patch_dataloader_to_ddp(forked, 2, 0)
 
 
 def test_unknown_option_is_rejected() -> None:
