@@ -27,7 +27,7 @@ from reliability_common import (  # noqa: E402
     STARTUP_SLACK_S,
     FaultyRecorder,
     PKBatches,
-    command_line,
+    describe,
     free_port,
     job_env,
     kill_session,
@@ -70,11 +70,14 @@ def finish_jobs(
             try:
                 job.wait(timeout=JOB_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} did not finish within {JOB_TIMEOUT_S}s:\n{tail(out / f'{name}.log')}")
+                pytest.fail(
+                    f"{name} did not finish within {JOB_TIMEOUT_S}s; its processes:\n"
+                    f"{describe(session_members(job.pid))}\n{tail(out / f'{name}.log')}"
+                )
         for name, job in jobs.items():
             if not wait_until(lambda: not session_members(job.pid), grace_s):
-                left = {pid: command_line(pid)[:100] for pid in session_members(job.pid)}
-                pytest.fail(f"{name} left processes behind: {left}\n{tail(out / f'{name}.log')}")
+                left = describe(session_members(job.pid))
+                pytest.fail(f"{name} left processes behind:\n{left}\n{tail(out / f'{name}.log')}")
     finally:
         for job in jobs.values():
             kill_session(job.pid)

@@ -87,6 +87,28 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def describe(pids: List[int]) -> str:
+    """One line per process: pid, parent, state and the kernel function it sleeps in, then its command.
+
+    For failure messages: a job that never ends is told apart from one that is merely slow by who is left
+    and where they wait (a worker parked in ``futex_wait`` since its fork, a rank polling for its data).
+    """
+    lines = []
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is None:
+            continue
+        try:
+            waiting_in = Path(f"/proc/{pid}/wchan").read_text().strip()
+        except OSError:
+            waiting_in = "?"
+        if waiting_in in ("", "0"):  # running, or the kernel does not say
+            waiting_in = "-"
+        command = " ".join(command_line(pid).split())[:120]
+        lines.append(f"  {pid} (parent {fields[1]}, state {fields[0]}, waiting in {waiting_in}): {command}")
+    return "\n".join(lines) or "  (none)"
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.2) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passed; return whether it held (a bounded wait)."""
     deadline = time.monotonic() + timeout_s
@@ -243,8 +265,8 @@ def read_json(path: Path) -> Dict[str, Any]:
 
 __all__ = [
     "DataLoader", "FaultyRecorder", "IndexDataset", "INJECTED_MESSAGE", "PG_TIMEOUT_S", "PKBatches",
-    "STARTUP_SLACK_S", "WeightRecorder", "command_line", "descendants", "env_rank", "free_port", "job_env",
-    "kill_pids", "kill_session", "labels_for", "mark", "pk_loader", "read_json", "run_guarded",
+    "STARTUP_SLACK_S", "WeightRecorder", "command_line", "descendants", "describe", "env_rank", "free_port",
+    "job_env", "kill_pids", "kill_session", "labels_for", "mark", "pk_loader", "read_json", "run_guarded",
     "session_members", "strategy", "trainer_kwargs", "wait_until",
 ]
 
@@ -266,6 +288,7 @@ def assert_no_new_descendants(before: set, grace_s: float = 30.0) -> None:
         return [pid for pid in descendants(os.getpid()) if pid not in before and not _helper_process(pid)]
 
     if not wait_until(lambda: not leftovers(), grace_s):
-        survivors = {pid: command_line(pid)[:120] for pid in leftovers()}
-        kill_pids(list(survivors))
-        raise AssertionError(f"processes outlived the job (killed now): {survivors}")
+        survivors = leftovers()
+        report = describe(survivors)
+        kill_pids(survivors)
+        raise AssertionError(f"processes outlived the job (killed now):\n{report}")
