@@ -18,11 +18,12 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64). */
+/* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64); `flags` may add
+ * PyBUF_WRITABLE for a buffer that is written. */
 static int
-get_index_buffer(PyObject *obj, Py_buffer *view, const char *name)
+get_index_buffer(PyObject *obj, Py_buffer *view, const char *name, int flags)
 {
-    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | flags) < 0) {
         return -1;
     }
     const char *format = view->format == NULL ? "B" : view->format;
@@ -390,7 +391,7 @@ static PyObject *
 store_lists(StoreObject *self, PyObject *slots_object)
 {
     Py_buffer view;
-    if (get_index_buffer(slots_object, &view, "slots") < 0) {
+    if (get_index_buffer(slots_object, &view, "slots", 0) < 0) {
         return NULL;
     }
     const long long *slots = view.buf;
@@ -507,16 +508,16 @@ mix64(uint64_t z)
     return z ^ (z >> 31);
 }
 
-/* The permutation of window `index` of `size` positions: Fisher-Yates from the last position down, position i
- * swapping with j = (high 32 bits of mix64(seed + index * size + i)) * (i + 1) >> 32, which is in [0, i].
- * Integer arithmetic only, so every machine (and numpy) computes the same. */
+/* A permutation of `size` positions: Fisher-Yates from the last position down, position i swapping with
+ * j = (high 32 bits of mix64(base + i)) * (i + 1) >> 32, which is in [0, i]. Window w of a shuffle has
+ * base = seed + w * window (the epoch's last window too, however few positions it has). Integer arithmetic
+ * only, so every machine (and numpy) computes the same. */
 static void
-window_permutation(uint64_t seed, Py_ssize_t index, Py_ssize_t size, Py_ssize_t *out)
+window_permutation(uint64_t base, Py_ssize_t size, Py_ssize_t *out)
 {
     for (Py_ssize_t i = 0; i < size; i++) {
         out[i] = i;
     }
-    uint64_t base = seed + (uint64_t)index * (uint64_t)size;
     for (Py_ssize_t i = size - 1; i > 0; i--) {
         uint64_t j = ((mix64(base + (uint64_t)i) >> 32) * (uint64_t)(i + 1)) >> 32;
         Py_ssize_t swapped = out[i];
@@ -588,7 +589,7 @@ window_dealer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    if (get_index_buffer(sample_windows, &self->sample_windows, "sample_windows") < 0) {
+    if (get_index_buffer(sample_windows, &self->sample_windows, "sample_windows", 0) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -653,7 +654,7 @@ window_dealer_read(WindowDealerObject *self)
     }
     Py_ssize_t window = self->window, *slot = self->slot;
     if (self->shuffled) {
-        window_permutation(self->seed, index, window, self->permutation);
+        window_permutation(self->seed + (uint64_t)index * (uint64_t)window, window, self->permutation);
         for (Py_ssize_t p = 0; p < window; p++) {
             slot[p] = -1;
         }
@@ -730,8 +731,53 @@ static PyTypeObject WindowDealerType = {
     .tp_members = window_dealer_members,
 };
 
+/* window_permutations(seed, first, count, size, stride, out): write the permutations of windows first to
+ * first + count - 1 (each of `size` positions, counters `stride` apart) into `out`, an int64 buffer of
+ * count * size items, one row per window: samplers._window_permutations, without a Python step per swap. */
+static PyObject *
+compact_window_permutations(PyObject *module, PyObject *args)
+{
+    PyObject *seed, *out;
+    Py_ssize_t first, count, size, stride;
+    if (!PyArg_ParseTuple(args, "O!nnnnO:window_permutations", &PyLong_Type, &seed, &first, &count, &size, &stride,
+                          &out)) {
+        return NULL;
+    }
+    if (first < 0 || count < 0 || size < 0 || size > ((Py_ssize_t)1 << 31) || stride < size
+        || (size > 0 && count > PY_SSIZE_T_MAX / 8 / size)) {
+        PyErr_Format(PyExc_ValueError, "window_permutations needs first, count >= 0 and 0 <= size <= stride with"
+                     " size <= 2**31, got first %zd, count %zd, size %zd, stride %zd", first, count, size, stride);
+        return NULL;
+    }
+    uint64_t seed_value = (uint64_t)PyLong_AsUnsignedLongLongMask(seed);  /* modulo 2**64, as the numpy twin */
+    if (seed_value == (uint64_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_index_buffer(out, &view, "out", PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    if (view.len / 8 != count * size) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd items, not count * size = %zd", view.len / 8, count * size);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_ssize_t *rows = view.buf;
+    for (Py_ssize_t r = 0; r < count; r++) {
+        window_permutation(seed_value + (uint64_t)(first + r) * (uint64_t)stride, size, rows + r * size);
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef compact_functions[] = {
+    {"window_permutations", compact_window_permutations, METH_VARARGS,
+     PyDoc_STR("window_permutations(seed, first, count, size, stride, out): the windows' permutations, into out")},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef compact_module = {
-    PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0, NULL,
+    PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0, compact_functions,
 };
 
 PyMODINIT_FUNC

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
+from lightning_ddp_ext import _store
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
@@ -145,10 +146,16 @@ def fisher_yates(seed: int, window: int, size: int, stride: int) -> List[int]:
     return permutation
 
 
-def test_window_permutations_are_uniform_and_fixed() -> None:
+@pytest.mark.parametrize("build", ["compiled", "python"])
+def test_window_permutations_are_uniform_and_fixed(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The windowed shuffle's permutations: integer arithmetic only, so every machine and every release draws
     the same (a resumed run deals as the interrupted one did), and each position is equally likely to land
-    anywhere (a Fisher-Yates off by one, Sattolo's variant, would never leave an item in place)."""
+    anywhere (a Fisher-Yates off by one, Sattolo's variant, would never leave an item in place). Computed by
+    the C helper where it is built, by numpy otherwise: both must hold."""
+    if build == "compiled" and _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    if build == "python":
+        monkeypatch.setattr(_store, "_compact", None)
     assert _window_permutations(0, 0, 2, 8, 8).tolist() == [[7, 4, 1, 0, 6, 2, 5, 3], [5, 3, 0, 1, 6, 7, 2, 4]]
     assert _window_permutations(0, 1, 1, 8, 8).tolist() == [[5, 3, 0, 1, 6, 7, 2, 4]]  # any window on its own
     for seed, first, size, stride in ((0, 0, 32, 32), (2**63 - 2, 10**9, 20, 32), (12345, 7, 1, 1)):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _window_permutations
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _numpy_window_permutations
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -222,7 +222,7 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
     for seed in (0, 12345, 2**64 - 1):
         for world, per_rank in ((1, 1), (2, 16), (3, 5), (8, 16)):
             window = world * per_rank
-            permutations = _window_permutations(seed, 5, 7, window, window)
+            permutations = _numpy_window_permutations(seed, 5, 7, window, window)
             items = range(5 * window, 12 * window)
             shares = [
                 list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, NO_SAMPLES, None)) for rank in range(world)
@@ -239,11 +239,37 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
     assert modular[0] == modular[1]  # seeds count modulo 2**64, as in numpy
 
 
+def test_c_window_permutations_match_numpy_and_check_their_arguments() -> None:
+    """``samplers._window_permutations`` takes its rows from C when the helper is built: the same rows as the
+    numpy twin, including the epoch's last window (fewer positions than the counters' stride)."""
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    for seed in (0, 2**63 - 2, 2**64 - 1, 2**64 + 5, -1):
+        cases = ((0, 3, 32, 32), (10**9, 2, 20, 32), (7, 70, 5, 5), (0, 1, 1, 1), (4, 0, 8, 8))
+        for first, count, size, stride in cases:
+            out = np.empty((count, size), dtype=np.int64)
+            assert compact.window_permutations(seed, first, count, size, stride, out) is None
+            assert (out == _numpy_window_permutations(seed, first, count, size, stride)).all()
+    with pytest.raises(TypeError, match="contiguous buffer of int64"):
+        compact.window_permutations(0, 0, 1, 4, 4, np.empty(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="out holds 3 items, not count \\* size = 4"):
+        compact.window_permutations(0, 0, 1, 4, 4, np.empty(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="size <= stride"):
+        compact.window_permutations(0, 0, 1, 4, 3, np.empty(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="first, count >= 0"):
+        compact.window_permutations(0, 0, -1, 4, 4, np.empty(0, dtype=np.int64))
+    with pytest.raises(TypeError):
+        compact.window_permutations(1.5, 0, 1, 4, 4, np.empty(4, dtype=np.int64))
+    with pytest.raises(BufferError, match="not writable"):
+        compact.window_permutations(0, 0, 1, 4, 4, bytes(32))
+
+
 def test_the_window_dealer_yields_only_complete_windows_and_checks_its_arguments() -> None:
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    permutations = _window_permutations(3, 0, 3, 4, 4)
+    permutations = _numpy_window_permutations(3, 0, 3, 4, 4)
     own = (permutations[:, 0::2] + np.arange(0, 12, 4)[:, None]).reshape(-1).tolist()
     letters = "abcdefghijkl"
     samples: List[Any] = []
