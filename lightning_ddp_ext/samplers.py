@@ -681,7 +681,9 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         pad: True repeats batches from the start of the epoch's sequence so every rank gets
             ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each).
         shuffle_window: with ``shuffle=True``, permute within consecutive windows of ``shuffle_window * W``
-            batches and stream; None shuffles the whole epoch, which must then be read before the first batch.
+            batches and stream, holding this rank's ``shuffle_window`` batches of a window as the sampler made
+            them; None shuffles the whole epoch, which must then be read before the first batch and is stored
+            compactly (use it rather than a window as long as the epoch, which would hold the whole share).
         even_shares: False gives rank ``r`` exactly the positions ``r, r + W, ...`` of the sequence, neither
             padded nor dropped, so ranks may get one item more or less: for exact evaluation only, where
             ranks need not step in lock-step (``pad`` is then ignored).
