@@ -556,7 +556,7 @@ def _window_permutations(seed: int, first: int, count: int, size: int, stride: i
     ``seed + w * stride + i``. Only integer arithmetic modulo 2**64, so every machine draws the same, and the
     C helper's ``WindowDealer`` computes the same permutations window by window; the counters make any
     window's permutation computable on its own, in any order. The C helper computes them here too, when it
-    is built (a window of a million positions: milliseconds, where the numpy twin's swaps take 0.5 s).
+    is built (a window of a million positions: 14 ms, where the numpy twin's swaps take 0.4 s).
     """
     compact = _store._compact
     if compact is None:

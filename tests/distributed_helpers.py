@@ -27,7 +27,7 @@ def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
     CPython before 3.11.10 (3.10.15, 3.9.20) can deadlock a child forked while another thread of the parent
     is starting or ending (gh-112275), and a rank's threads do end: every finished DataLoader iterator ends
     its queue-feeder threads, and the next epoch forks its workers right after. A deadlocked worker hangs
-    its rank, and through the next collective the job (seen about once in 20 loaded runs here). The fork
+    its rank, and through the next collective the job (about one run in 13 under load here). The fork
     server has a single thread.
 
     ``preload``: installed modules the workers need besides torch, imported once in the server instead of
