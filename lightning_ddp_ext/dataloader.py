@@ -79,8 +79,8 @@ def _fork_deadlock_warning(loader: DataLoader, version: Tuple[int, int, int] = _
         f"DataLoader workers are forked, and Python {release} can deadlock a forked worker before it starts"
         f" (CPython issue gh-112275, fixed in {version[0]}.{version[1]}.{fixed}): the rank then waits for it"
         " forever and the other ranks fail at the process-group timeout. Each start of the workers risks it (every"
-        " epoch, unless persistent_workers=True). Upgrade Python, or start the workers from a fork server:"
-        " DataLoader(..., multiprocessing_context='forkserver', persistent_workers=True)."
+        " epoch, unless persistent_workers=True). Upgrade Python, or start the workers without forking the rank:"
+        " DataLoader(..., multiprocessing_context='spawn', persistent_workers=True)."
     )
 
 

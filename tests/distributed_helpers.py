@@ -28,7 +28,8 @@ def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
     is starting or ending (gh-112275), and a rank's threads do end: every finished DataLoader iterator ends
     its queue-feeder threads, and the next epoch forks its workers right after. A deadlocked worker hangs
     its rank, and through the next collective the job (about one run in 13 under load here). The fork
-    server has a single thread.
+    server has a single thread, and starts workers faster than ``spawn``. Its workers are its children, so a
+    rank killed by a signal leaves them and the server behind: the tests that kill jobs kill whole sessions.
 
     ``preload``: installed modules the workers need besides torch, imported once in the server instead of
     in every worker. 3.11's server imports neither ``__main__`` (its default) nor anything off the default

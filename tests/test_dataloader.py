@@ -145,7 +145,7 @@ def test_forked_workers_on_an_affected_python_are_named(
     release = ".".join(map(str, version))
     fixed = {(3, 9): "3.9.20", (3, 10): "3.10.15", (3, 11): "3.11.10"}[version[:2]]
     assert f"Python {release} can deadlock a forked worker" in message and f"fixed in {fixed}" in message
-    assert "multiprocessing_context='forkserver'" in message
+    assert "multiprocessing_context='spawn', persistent_workers=True" in message
 
 
 def test_patching_forked_workers_warns_once_where_python_is_affected(monkeypatch: pytest.MonkeyPatch) -> None:
