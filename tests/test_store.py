@@ -214,8 +214,8 @@ def test_the_window_dealer_deals_unshuffled_rounds() -> None:
 
 
 def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
-    """Ranks with and without the helper must permute every window alike: C draws window by window what
-    ``_window_permutations`` draws for many windows at once."""
+    """Ranks with and without the helper must permute every window alike: the dealer draws window by window
+    what the numpy twin, ``_numpy_window_permutations``, draws for many windows at once."""
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
