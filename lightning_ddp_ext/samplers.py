@@ -18,7 +18,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-from itertools import chain, compress, islice
+from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
 
@@ -54,6 +54,9 @@ _READ_BLOCK = 1024
 # the head (see _plan_ranges): a short epoch needs few numpy calls, and a plan's arrays stay small.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
 _PLAN_GROWTH = 8
+# Positions a plan may have to be made in plain Python rather than numpy (see _window_plan): numpy's cost per
+# call (tens of calls per plan) outweighs Python's per position below about this many.
+_PYTHON_PLAN_POSITIONS = 256
 # Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
 _MAX_WINDOW = 1 << 31
 
@@ -423,16 +426,17 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         first: int,
         end: int,
         window: int,
-        sampled_ends: np.ndarray[Any, Any],
+        sampled_ends: List[int],
         length: int,
         digest: RunningDigest,
     ) -> Iterator[Iterable[T]]:
         """Deal windows ``first`` to ``end - 1``, whole blocks of them, through the C helper's ``WindowDealer``,
         which hashes the last item of each sampled block (those ending before the windows ``sampled_ends``) as
         it reads it, as the Python path does after reading the block."""
-        sample = digest.include_as_read((sampled_ends * window - 1).tolist())
+        sample = digest.include_as_read([sampled_end * window - 1 for sampled_end in sampled_ends])
         world, rank = self.num_replicas, self.rank
-        dealer = compact.WindowDealer(items, seed, window, world, rank, first, end, sampled_ends - 1, sample)
+        sampled_windows = np.array(sampled_ends, dtype=np.int64) - 1
+        dealer = compact.WindowDealer(items, seed, window, world, rank, first, end, sampled_windows, sample)
         yield dealer
         if dealer.read < (end - first) * window:
             raise self._mismatch(length, first * window + dealer.read)
@@ -498,17 +502,16 @@ class _WindowBlock(NamedTuple):
     sampled: bool = True  # a plain block whose last item the digest hashes (see _sampled_block_ends)
 
 
-def _sampled_block_ends(
-    first: int, end: int, windows_per_block: int, blocks_per_sample: int
-) -> np.ndarray[Any, Any]:
+def _sampled_block_ends(first: int, end: int, windows_per_block: int, blocks_per_sample: int) -> List[int]:
     """Where the blocks end (one past their last window) whose last item the digest samples, among the blocks
     of ``windows_per_block`` windows from window ``first`` to ``end - 1``: every ``blocks_per_sample``-th
     block, and the last one. Head blocks and the epoch's last block are sampled whatever this says."""
-    block_ends = np.minimum(np.arange(first + windows_per_block, end + windows_per_block, windows_per_block), end)
+    step = windows_per_block
+    block_ends = [min(block_end, end) for block_end in range(first + step, end + step, step)]
     sampled = block_ends[blocks_per_sample - 1 :: blocks_per_sample]
-    if not len(sampled) or sampled[-1] != end:
-        sampled = np.append(sampled, end)
-    return sampled.astype(np.int64)
+    if not sampled or sampled[-1] != end:
+        sampled.append(end)
+    return sampled
 
 
 class _WindowPlan(NamedTuple):
@@ -613,8 +616,96 @@ def _window_plan(
     rank: int,
 ) -> _WindowPlan:
     """Plan windows ``first`` to ``end - 1`` in blocks of ``windows_per_block`` windows from ``first``: which
-    positions this rank keeps, and in what order it yields them, with all index arithmetic in numpy so
-    that the Python work per block stays a few calls."""
+    positions this rank keeps, and in what order it yields them. A plan of a few positions (the head's windows
+    and the last window, which every epoch plans) is made in plain Python, where numpy's cost per call would be
+    most of the work; a longer one in numpy, so that the Python work per block stays a few calls. Both make the
+    same plan."""
+    planned = min(end * window, total) - first * window
+    make = _python_window_plan if planned <= _PYTHON_PLAN_POSITIONS else _numpy_window_plan
+    return make(seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank)
+
+
+def _python_window_plan(
+    seed: int,
+    first: int,
+    end: int,
+    window: int,
+    total: int,
+    length: int,
+    windows_per_block: int,
+    blocks_per_sample: int,
+    head_end: int,
+    world: int,
+    rank: int,
+) -> _WindowPlan:
+    """``_window_plan`` for a few positions, step by step: the reference for ``_numpy_window_plan``'s arrays."""
+    full_windows = total // window
+    start = first * window
+    stop = min(end * window, total)
+    rows: List[tuple[int, List[int]]] = []  # per window: its offset from start, its permutation
+    if first < min(end, full_windows):
+        count = min(end, full_windows) - first
+        permutations = _window_permutations(seed, first, count, window, window).tolist()
+        rows.extend(zip(range(0, count * window, window), permutations))
+    if end > full_windows:  # the epoch's last, partial window
+        permutation = _window_permutations(seed, full_windows, 1, total % window, window)[0].tolist()
+        rows.append(((full_windows - first) * window, permutation))
+    own = [offset + position for offset, permutation in rows for position in permutation[rank::world]]
+    read_end = min(stop, length) - start  # positions from `length` on are padding: never read
+    block_size = windows_per_block * window
+    block_starts = range(0, stop - start, block_size)
+    block_read_ends = [min(block_start + block_size, read_end) for block_start in block_starts]
+    keep = bytearray(read_end)
+    for position in own:
+        if position < read_end:
+            keep[position] = 1
+    for block_read_end in block_read_ends:
+        keep[block_read_end - 1] = 1  # each block's last position: runs out alike on every rank
+    head = max(0, min(head_end - start, read_end))
+    keep[:head] = bytes([1]) * head  # the head: every rank keeps it
+    kept_before = list(accumulate(keep, initial=0))  # kept positions before p
+    own_per_block = window // world * windows_per_block
+    kept_in_last_block = kept_before[read_end] - kept_before[block_starts[-1]]
+    order = []  # each own position's index among its block's kept items
+    for number, position in enumerate(own):
+        if position + start < length:
+            order.append(kept_before[position] - kept_before[block_starts[number // own_per_block]])
+        else:  # padding: the head is appended after the last block's kept items
+            order.append(kept_in_last_block + (position + start - length) % length)
+    sampled_ends = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
+    sampled = {(sampled_end - first - 1) // windows_per_block for sampled_end in sampled_ends}  # blocks ending there
+    blocks = []
+    for number, (block_start, read_stop) in enumerate(zip(block_starts, block_read_ends)):
+        blocks.append(
+            _WindowBlock(
+                start + block_start,
+                kept_before[read_stop] - kept_before[block_start],
+                min(max(head_end - start - block_start, 0), read_stop - block_start),
+                block_start,
+                read_stop,
+                min(number * own_per_block, len(own)),
+                min((number + 1) * own_per_block, len(own)),
+                last=stop == total and number == len(block_starts) - 1,
+                sampled=number in sampled,
+            )
+        )
+    return _WindowPlan(bytes(keep), np.array(order, dtype=np.int64), blocks)
+
+
+def _numpy_window_plan(
+    seed: int,
+    first: int,
+    end: int,
+    window: int,
+    total: int,
+    length: int,
+    windows_per_block: int,
+    blocks_per_sample: int,
+    head_end: int,
+    world: int,
+    rank: int,
+) -> _WindowPlan:
+    """``_window_plan`` with all index arithmetic in numpy, for many windows at once."""
     full_windows = total // window
     parts = []
     if first < min(end, full_windows):
@@ -646,7 +737,7 @@ def _window_plan(
     heads = np.clip(head_end - start - block_starts, 0, block_read_ends - block_starts)
     sampled_ends = _sampled_block_ends(first, end, windows_per_block, blocks_per_sample)
     sampled = np.zeros(len(block_starts), dtype=np.bool_)
-    sampled[(sampled_ends - first - 1) // windows_per_block] = True  # the blocks that end there
+    sampled[[(sampled_end - first - 1) // windows_per_block for sampled_end in sampled_ends]] = True  # they end there
     blocks = [
         _WindowBlock(
             start + block_start, kept_count, head, block_start, read_stop, order_start, order_end, sampled=is_sampled

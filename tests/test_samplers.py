@@ -19,7 +19,9 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
+    _numpy_window_plan,
     _plan_ranges,
+    _python_window_plan,
     _sampled_block_ends,
     _window_permutations,
 )
@@ -182,10 +184,43 @@ def test_plan_ranges_set_the_head_and_the_last_window_apart() -> None:
 
 def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
     """Blocks end (one past their last window) at first + 8, first + 16, ..., end; every fourth is sampled."""
-    assert _sampled_block_ends(0, 20, 8, 1).tolist() == [8, 16, 20]
-    assert _sampled_block_ends(1, 73, 8, 4).tolist() == [33, 65, 73]
-    assert _sampled_block_ends(0, 3, 8, 4).tolist() == [3]
-    assert _sampled_block_ends(0, 64, 8, 4).tolist() == [32, 64]
+    assert _sampled_block_ends(0, 20, 8, 1) == [8, 16, 20]
+    assert _sampled_block_ends(1, 73, 8, 4) == [33, 65, 73]
+    assert _sampled_block_ends(0, 3, 8, 4) == [3]
+    assert _sampled_block_ends(0, 64, 8, 4) == [32, 64]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    world=st.integers(1, 8),
+    per_rank=st.integers(1, 24),
+    length=st.integers(1, 3000),
+    pad=st.booleans(),
+    windows_per_block=st.integers(1, 12),
+    blocks_per_sample=st.integers(1, 4),
+    data=st.data(),
+)
+def test_plans_in_python_and_in_numpy_agree(
+    world: int, per_rank: int, length: int, pad: bool, windows_per_block: int, blocks_per_sample: int, data: Any
+) -> None:
+    """A plan of a few positions is made in plain Python, a longer one in numpy (see _window_plan), so the
+    wrappers' tests mostly run one of them on any one epoch: both must read, keep and order alike for any
+    range of windows, partial last windows and padding included."""
+    if not pad and length < world:
+        return
+    window = per_rank * world
+    total = -(-length // world) * world if pad else length // world * world
+    windows = -(-total // window)
+    first = data.draw(st.integers(0, windows - 1), label="first")
+    end = data.draw(st.integers(first + 1, min(windows, first + 40)), label="end")
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    seed = data.draw(st.integers(0, 2**63 - 1), label="seed")
+    head_end = max(64, total - length)
+    arguments = (seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank)
+    in_python, in_numpy = _python_window_plan(*arguments), _numpy_window_plan(*arguments)
+    assert in_python.mask == in_numpy.mask
+    assert in_python.order.tolist() == in_numpy.order.tolist()
+    assert in_python.blocks == in_numpy.blocks
 
 
 @settings(max_examples=60, deadline=None)
