@@ -3,17 +3,20 @@
 Every test that needs real collectives goes through :func:`run_distributed`: it uses a ``file://``
 rendezvous in a temporary directory (no ports to collide), a hard deadline, and kills every child that
 is still alive when it returns or fails, so a hanging collective fails the test instead of the suite.
+Each rank leads its own process group, so the processes it starts (a fork server, DataLoader workers) are
+killed with it even when they outlive it. The process helpers read ``/proc`` (Linux).
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +24,58 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 90.0
 
 
+# ---------------------------------------------------------------------------------------------- processes
+def stat_fields(pid: int) -> Optional[List[str]]:
+    """Fields of ``/proc/PID/stat`` from the state on (state, parent, process group, session, ...), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after its closing parenthesis.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _live_processes() -> Iterator[tuple[int, List[str]]]:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(int(entry))
+            if fields is not None and fields[0] != "Z":  # a zombie has exited; only its parent's wait is due
+                yield int(entry), fields
+
+
+def session_members(session_id: int) -> List[int]:
+    """Live processes of session ``session_id`` (a job started with ``start_new_session=True``)."""
+    return [pid for pid, fields in _live_processes() if int(fields[3]) == session_id]
+
+
+def group_members(group_id: int) -> List[int]:
+    """Live processes of process group ``group_id``."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == group_id]
+
+
+def descendants(root: int) -> List[int]:
+    """Live descendants of ``root`` (children, grandchildren, ...)."""
+    parents = {pid: int(fields[1]) for pid, fields in _live_processes()}
+    found: List[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def kill_pids(pids: List[int]) -> None:
+    """SIGKILL each of ``pids`` that is still alive."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- ranks
 def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
     """The start method for DataLoader workers in a rank: a fork server, not a fork of the rank itself.
 
@@ -29,7 +84,8 @@ def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
     its queue-feeder threads, and the next epoch forks its workers right after. A deadlocked worker hangs
     its rank, and through the next collective the job (about one run in 13 under load here). The fork
     server has a single thread, and starts workers faster than ``spawn``. Its workers are its children, so a
-    rank killed by a signal leaves them and the server behind: the tests that kill jobs kill whole sessions.
+    rank killed by a signal leaves them and the server behind: ``run_distributed`` kills each rank's process
+    group, and the tests that kill jobs kill whole sessions.
 
     ``preload``: installed modules the workers need besides torch, imported once in the server instead of
     in every worker. 3.11's server imports neither ``__main__`` (its default) nor anything off the default
@@ -41,6 +97,7 @@ def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    os.setpgid(0, 0)  # lead a process group: run_distributed kills it whole, orphaned descendants included
     result_path = Path(workdir) / f"result_{rank}.pkl"
     try:
         dist.init_process_group(
@@ -90,6 +147,8 @@ def run_distributed(
                 if process.is_alive():
                     process.kill()
                 process.join(5)
+            # What the ranks started (a fork server and its DataLoader workers, say) may outlive them.
+            kill_pids([pid for process in context.processes for pid in group_members(process.pid)])
         results: list[Any] = []
         errors: list[str] = []
         for rank in range(world_size):

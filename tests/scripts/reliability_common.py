@@ -23,7 +23,13 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))  # for `scenarios` when this runs from a script
 
 import torch  # noqa: E402
-from distributed_helpers import worker_context  # noqa: E402
+from distributed_helpers import (  # noqa: E402
+    descendants,
+    kill_pids,
+    session_members,
+    stat_fields,
+    worker_context,
+)
 from scenarios import IndexDataset, PKBatches, Recorder, labels_for, trainer_kwargs  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -45,41 +51,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _stat_fields(pid: int) -> Optional[List[str]]:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after its closing parenthesis.
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def _live_pids() -> Iterator[tuple[int, List[str]]]:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields is not None and fields[0] != "Z":  # a zombie has exited; only its parent's wait is due
-                yield int(entry), fields
-
-
-def session_members(session_id: int) -> List[int]:
-    """Live processes of session ``session_id`` (a job started with ``start_new_session=True``)."""
-    return [pid for pid, fields in _live_pids() if int(fields[3]) == session_id]
-
-
-def descendants(root: int) -> List[int]:
-    """Live descendants of ``root`` (children, grandchildren, ...)."""
-    parents = {pid: int(fields[1]) for pid, fields in _live_pids()}
-    found: List[int] = []
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found.extend(children)
-        frontier.extend(children)
-    return found
-
-
 def command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -95,7 +66,7 @@ def describe(pids: List[int]) -> str:
     """
     lines = []
     for pid in pids:
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields is None:
             continue
         try:
@@ -126,14 +97,6 @@ def kill_session(session_id: int) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     for pid in session_members(session_id):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def kill_pids(pids: List[int]) -> None:
-    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
