@@ -41,7 +41,7 @@ T = TypeVar("T")
 # at once, a thousand nearly double the epoch (measured in benchmarks/sampler_overhead.py). The helper
 # holds one window at a time, whatever the block.
 _WINDOW_BLOCK_ITEMS = 128
-# Rounds the unshuffled path deals in C between two Python steps (each hashes one item for the digest).
+# Rounds of the unshuffled path per digest sample (its last item), and per chunk dealt without the C helper.
 _CHUNK_ROUNDS = 1024
 # Positions between two digest samples of the windowed shuffle, at least: a sample costs about 3 us to hash,
 # the user's sampler about 0.7 us per position.
@@ -284,11 +284,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
 
         Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
-        rounds a chunk at a time in C (this rank's item of each complete round, the other ranks' items freed at
-        once: the C helper's ``WindowDealer`` with windows of one round, or ``zip`` + ``itemgetter`` without
-        it), keeping each chunk's last item for the digest, and the last round in Python (length check,
-        padding). Only complete rounds yield, so every rank yields the same number of items even when the
-        sampler runs out early.
+        rounds in C (this rank's item of each complete round, the other ranks' items freed at once: the C
+        helper's ``WindowDealer`` with windows of one round, in one go, or ``zip`` + ``itemgetter`` a chunk at a
+        time without it), hashing the last item of every chunk of ``_CHUNK_ROUNDS`` rounds for the digest, and
+        the last round in Python (length check, padding). Only complete rounds yield, so every rank yields the
+        same number of items even when the sampler runs out early.
         """
         world, rank = self.num_replicas, self.rank
         items = iter(self.source)
@@ -306,28 +306,24 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             self._head_digest = digest.snapshot()
             yield block[rank::world]
         compact = _store._compact
+        if compact is not None and head_end < final_start:  # windows of one round, unpermuted
+            first_round, end_round = head_end // world, final_start // world
+            chunk_ends = [*range(first_round + _CHUNK_ROUNDS, end_round, _CHUNK_ROUNDS), end_round]
+            yield from self._deal_windows(
+                compact, items, None, first_round, end_round, world, chunk_ends, length, digest
+            )
         full_chunk = _CHUNK_ROUNDS * world
-        position = head_end
-        while position < final_start:
+        position = final_start if compact is not None else head_end
+        while position < final_start:  # without the helper: a chunk at a time
             size = min(full_chunk, final_start - position)
-            sample_at = position + size - 1  # the chunk's last item is the digest's sample
-            if compact is not None:  # windows of one round, unpermuted
-                rounds = size // world
-                sample = digest.include_as_read((sample_at,))
-                last_window = np.array([rounds - 1])
-                dealer = compact.WindowDealer(items, None, world, world, rank, 0, rounds, last_window, sample)
-                yield dealer
-                read = dealer.read
-            else:
-                selectors = iter(b"\x01" * (size - world))  # compress keeps every item, counting them
-                yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
-                last = list(islice(items, world))
-                read = size - world - length_hint(selectors) + len(last)
+            selectors = iter(b"\x01" * (size - world))  # compress keeps every item, counting them
+            yield map(itemgetter(rank), zip(*[compress(islice(items, size - world), selectors)] * world))
+            last = list(islice(items, world))
+            read = size - world - length_hint(selectors) + len(last)
             if read < size:
                 raise self._mismatch(length, position + read)
-            if compact is None:
-                digest.include(last[-1:], sample_at)
-                yield (last[rank],)
+            digest.include(last[-1:], position + size - 1)  # the chunk's last item is the digest's sample
+            yield (last[rank],)
             position += size
         final = list(islice(items, max(0, length - final_start)))
         self._check_exhausted(items, final_start + len(final), length)
@@ -422,7 +418,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self,
         compact: Any,
         items: Iterator[Any],
-        seed: int,
+        seed: Optional[int],
         first: int,
         end: int,
         window: int,
@@ -432,7 +428,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     ) -> Iterator[Iterable[T]]:
         """Deal windows ``first`` to ``end - 1``, whole blocks of them, through the C helper's ``WindowDealer``,
         which hashes the last item of each sampled block (those ending before the windows ``sampled_ends``) as
-        it reads it, as the Python path does after reading the block."""
+        it reads it, as the Python path does after reading the block. ``seed`` None deals without permuting."""
         sample = digest.include_as_read([sampled_end * window - 1 for sampled_end in sampled_ends])
         world, rank = self.num_replicas, self.rank
         sampled_windows = np.array(sampled_ends, dtype=np.int64) - 1

@@ -200,6 +200,35 @@ def test_dealing_is_the_same_on_both_paths(
     assert deal() == compiled
 
 
+@pytest.mark.parametrize("actual", [7000, 5501, -5501])  # right, short and failing inside the third chunk
+@pytest.mark.parametrize("world", [2, 3])
+def test_unshuffled_chunks_are_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch, actual: int, world: int) -> None:
+    """Past the head the unshuffled path deals in C in one go, sampling the last item of every 1,024 rounds
+    for the digest, and in Python a chunk of 1,024 rounds at a time: over several chunks, both must yield and
+    hash the same, and stop at the same item."""
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    source = Declared([[i, 2 * i] for i in range(abs(actual))], declared=7000, fail=actual < 0)
+
+    def deal() -> List[Any]:
+        outcomes: List[Any] = []  # per rank: what it yielded, then its error or its digest
+        for rank in range(world):
+            wrapper = DistributedBatchSamplerWrapper(source, num_replicas=world, rank=rank)
+            yielded: List[Any] = []
+            try:
+                yielded.extend(wrapper)
+            except (RuntimeError, ZeroDivisionError) as error:
+                outcomes.append((yielded, str(error)))
+            else:
+                outcomes.append((yielded, wrapper.epoch_digest))
+        return outcomes
+
+    compiled = deal()
+    assert len({len(yielded) for yielded, _ in compiled}) == 1, "ranks yielded different numbers of items"
+    monkeypatch.setattr(_store, "_compact", None)
+    assert deal() == compiled
+
+
 def test_the_window_dealer_deals_unshuffled_rounds() -> None:
     """Windows of one round, not permuted, each holding the rank's item: what the unshuffled path deals in C."""
     compact = _store._compact
