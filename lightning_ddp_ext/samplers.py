@@ -378,7 +378,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 yield from self._deal_windows(compact, items, seed, first, end, window, samples, length, digest)
                 continue
             plan = _window_plan(
-                seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank
+                _PlanSpan(
+                    seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank
+                )
             )
             for block in plan.blocks:
                 mask = plan.mask[block.mask_start : block.mask_end]
@@ -518,6 +520,23 @@ class _WindowPlan(NamedTuple):
     blocks: List[_WindowBlock]
 
 
+class _PlanSpan(NamedTuple):
+    """What a window plan covers: windows ``first`` to ``end - 1`` of ``window`` positions each, of an epoch of
+    ``length`` items dealt as ``total`` positions (padded or cut to a multiple of ``world``), for ``rank``."""
+
+    seed: int  # the epoch's permutation seed
+    first: int
+    end: int
+    window: int
+    total: int
+    length: int
+    windows_per_block: int  # windows read per block (see _DealingWrapper._window_blocks)
+    blocks_per_sample: int  # blocks per digest sample (see _sampled_block_ends)
+    head_end: int  # positions before it are the head, kept on every rank
+    world: int
+    rank: int
+
+
 def _plan_ranges(windows: int, window: int, head_windows: int) -> Iterator[tuple[int, int]]:
     """Split ``windows`` windows into ranges planned (or dealt) in one go: the first window on its own (the
     first batch waits for one small plan whatever the epoch's length), the rest of the windows that hold the
@@ -598,43 +617,19 @@ def _numpy_window_permutations(seed: int, first: int, count: int, size: int, str
     return permutations
 
 
-def _window_plan(
-    seed: int,
-    first: int,
-    end: int,
-    window: int,
-    total: int,
-    length: int,
-    windows_per_block: int,
-    blocks_per_sample: int,
-    head_end: int,
-    world: int,
-    rank: int,
-) -> _WindowPlan:
+def _window_plan(span: _PlanSpan) -> _WindowPlan:
     """Plan windows ``first`` to ``end - 1`` in blocks of ``windows_per_block`` windows from ``first``: which
     positions this rank keeps, and in what order it yields them. A plan of a few positions (the head's windows
     and the last window, which every epoch plans) is made in plain Python, where numpy's cost per call would be
     most of the work; a longer one in numpy, so that the Python work per block stays a few calls. Both make the
     same plan."""
-    planned = min(end * window, total) - first * window
-    make = _python_window_plan if planned <= _PYTHON_PLAN_POSITIONS else _numpy_window_plan
-    return make(seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank)
+    planned = min(span.end * span.window, span.total) - span.first * span.window
+    return (_python_window_plan if planned <= _PYTHON_PLAN_POSITIONS else _numpy_window_plan)(span)
 
 
-def _python_window_plan(
-    seed: int,
-    first: int,
-    end: int,
-    window: int,
-    total: int,
-    length: int,
-    windows_per_block: int,
-    blocks_per_sample: int,
-    head_end: int,
-    world: int,
-    rank: int,
-) -> _WindowPlan:
+def _python_window_plan(span: _PlanSpan) -> _WindowPlan:
     """``_window_plan`` for a few positions, step by step: the reference for ``_numpy_window_plan``'s arrays."""
+    seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank = span
     full_windows = total // window
     start = first * window
     stop = min(end * window, total)
@@ -688,20 +683,9 @@ def _python_window_plan(
     return _WindowPlan(bytes(keep), np.array(order, dtype=np.int64), blocks)
 
 
-def _numpy_window_plan(
-    seed: int,
-    first: int,
-    end: int,
-    window: int,
-    total: int,
-    length: int,
-    windows_per_block: int,
-    blocks_per_sample: int,
-    head_end: int,
-    world: int,
-    rank: int,
-) -> _WindowPlan:
+def _numpy_window_plan(span: _PlanSpan) -> _WindowPlan:
     """``_window_plan`` with all index arithmetic in numpy, for many windows at once."""
+    seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank = span
     full_windows = total // window
     parts = []
     if first < min(end, full_windows):

@@ -21,6 +21,7 @@ from lightning_ddp_ext.samplers import (
     LengthMismatchError,
     _numpy_window_plan,
     _plan_ranges,
+    _PlanSpan,
     _python_window_plan,
     _sampled_block_ends,
     _window_permutations,
@@ -216,8 +217,10 @@ def test_plans_in_python_and_in_numpy_agree(
     rank = data.draw(st.integers(0, world - 1), label="rank")
     seed = data.draw(st.integers(0, 2**63 - 1), label="seed")
     head_end = max(64, total - length)
-    arguments = (seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank)
-    in_python, in_numpy = _python_window_plan(*arguments), _numpy_window_plan(*arguments)
+    span = _PlanSpan(
+        seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank
+    )
+    in_python, in_numpy = _python_window_plan(span), _numpy_window_plan(span)
     assert in_python.mask == in_numpy.mask
     assert in_python.order.tolist() == in_numpy.order.tolist()
     assert in_python.blocks == in_numpy.blocks
