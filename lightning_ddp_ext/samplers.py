@@ -653,7 +653,7 @@ def _python_window_plan(span: _PlanSpan) -> _WindowPlan:
     for block_read_end in block_read_ends:
         keep[block_read_end - 1] = 1  # each block's last position: runs out alike on every rank
     head = max(0, min(head_end - start, read_end))
-    keep[:head] = bytes([1]) * head  # the head: every rank keeps it
+    keep[:head] = b"\x01" * head  # the head: every rank keeps it
     kept_before = list(accumulate(keep, initial=0))  # kept positions before p
     own_per_block = window // world * windows_per_block
     kept_in_last_block = kept_before[read_end] - kept_before[block_starts[-1]]

@@ -16,7 +16,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Collection, Iterator, List, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -48,9 +48,9 @@ def session_members(session_id: int) -> List[int]:
     return [pid for pid, fields in _live_processes() if int(fields[3]) == session_id]
 
 
-def group_members(group_id: int) -> List[int]:
-    """Live processes of process group ``group_id``."""
-    return [pid for pid, fields in _live_processes() if int(fields[2]) == group_id]
+def group_members(group_ids: Collection[int]) -> List[int]:
+    """Live processes of the process groups ``group_ids``."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) in group_ids]
 
 
 def descendants(root: int) -> List[int]:
@@ -148,7 +148,7 @@ def run_distributed(
                     process.kill()
                 process.join(5)
             # What the ranks started (a fork server and its DataLoader workers, say) may outlive them.
-            kill_pids([pid for process in context.processes for pid in group_members(process.pid)])
+            kill_pids(group_members({process.pid for process in context.processes}))
         results: list[Any] = []
         errors: list[str] = []
         for rank in range(world_size):
