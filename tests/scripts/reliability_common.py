@@ -236,8 +236,12 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------- pytest
 def _helper_process(pid: int) -> bool:
-    """Long-lived helpers of the test process itself (multiprocessing's resource tracker), not job processes."""
-    return "resource_tracker" in command_line(pid) or "forkserver" in command_line(pid)
+    """Long-lived helpers of the test process itself, not job processes: multiprocessing's resource tracker
+    and fork server, and Open MPI's ``orted``, which a process starts for itself where mpi4py is installed
+    (Lightning's MPI detection initialises MPI on a Trainer's construction). Open MPI ends the test process
+    as soon as its ``orted`` dies, so killing it as a leftover would end the whole test session."""
+    command = command_line(pid)
+    return any(helper in command for helper in ("resource_tracker", "forkserver", "orted "))
 
 
 def children_baseline() -> set:
