@@ -12,6 +12,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -171,3 +173,13 @@ def free_env() -> dict[str, str]:
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
         env.pop(key, None)
     return env
+
+
+def run_python(*args: str, timeout: float, cwd: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` (a script and its arguments, or ``-c CODE``) in the environment of
+    :func:`free_env`, and fail with the end of its stderr unless it exits 0."""
+    result = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=free_env(), cwd=cwd
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

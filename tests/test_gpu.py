@@ -6,14 +6,12 @@ one GPU (NCCL refuses two ranks on one device), as a subprocess so that its NCCL
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
 import torch
-from distributed_helpers import free_env
+from distributed_helpers import run_python
 from scenarios import PKBatches, labels_for
 
 from lightning_ddp_ext.sharded import fairscale_available
@@ -23,15 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "gpu_fit.py"
 
 
 def fit_on_the_gpu(out: Path, mode: str) -> Dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), mode],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=free_env(),
-        cwd=str(out),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_python(str(SCRIPT), str(out), mode, timeout=300, cwd=out)
     facts: Dict[str, Any] = json.loads((out / "gpu_facts.json").read_text())
     facts["rank0"] = json.loads((out / "rank0.json").read_text())
     return facts

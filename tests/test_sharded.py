@@ -10,8 +10,6 @@ process-group timeout and a test timeout).
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 import textwrap
 import warnings
 from datetime import timedelta
@@ -22,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import free_env, run_distributed
+from distributed_helpers import run_distributed, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -506,8 +504,5 @@ def test_without_fairscale() -> None:
             print(error)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=free_env()
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python("-c", script, timeout=100)
     assert 'pip install "lightning_ddp_ext[sharded]"' in result.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 import weakref
-from array import array
 from itertools import chain
 from typing import Any, Iterator, List, Optional
 

@@ -1,15 +1,13 @@
 """CustomDDP with real lightning.pytorch.Trainer runs on 2 CPU processes (spawn launcher inside pytest)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed_helpers import free_env
+from distributed_helpers import run_python
 from lightning.pytorch.strategies import StrategyRegistry
 from scenarios import (
     DATASET_SIZE,
@@ -167,15 +165,7 @@ def test_get_model_from_plugin_unwraps_nested_wrappers() -> None:
 
 def test_popen_launcher_from_a_standalone_script(tmp_path: Path) -> None:
     """The plain "ddp_custom_sampler" name re-runs sys.argv per rank, so it runs as a script."""
-    result = subprocess.run(
-        [sys.executable, str(HERE / "scripts" / "popen_fit.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=free_env(),
-        cwd=str(tmp_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_python(str(HERE / "scripts" / "popen_fit.py"), str(tmp_path), timeout=240, cwd=tmp_path)
     ranks = read_ranks(str(tmp_path), 2)
     expected = list(PKBatches(labels_for(), p=2, k=4, seed=1))  # the script's sampler, epoch 0
     assert [batches_of(ranks[r], "train/only", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
