@@ -114,8 +114,9 @@ def _skip_if_needs_sharded(name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the build
 def test_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
-    if importlib.util.find_spec("sphinx") is None:
-        pytest.skip("Sphinx is not installed: the docs extra is needed (pip install -e '.[docs]')")
+    missing = [name for name in ("sphinx", "myst_parser") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed: the docs extra is needed (pip install -e '.[docs]')")
     result = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(tmp_path / "html")],
         cwd=ROOT,
