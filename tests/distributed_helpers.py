@@ -68,6 +68,35 @@ def descendants(root: int) -> List[int]:
     return found
 
 
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+
+
+def describe(pids: List[int]) -> str:
+    """One line per process: pid, parent, state and the kernel function it sleeps in, then its command.
+
+    For failure messages: a job that never ends is told apart from one that is merely slow by who is left
+    and where they wait (a worker parked in ``futex_wait`` since its fork, a rank polling for its data).
+    """
+    lines = []
+    for pid in pids:
+        fields = stat_fields(pid)
+        if fields is None:
+            continue
+        try:
+            waiting_in = Path(f"/proc/{pid}/wchan").read_text().strip()
+        except OSError:
+            waiting_in = "?"
+        if waiting_in in ("", "0"):  # running, or the kernel does not say
+            waiting_in = "-"
+        command = " ".join(command_line(pid).split())[:120]
+        lines.append(f"  {pid} (parent {fields[1]}, state {fields[0]}, waiting in {waiting_in}): {command}")
+    return "\n".join(lines) or "  (none)"
+
+
 def kill_pids(pids: List[int]) -> None:
     """SIGKILL each of ``pids`` that is still alive."""
     for pid in pids:

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from distributed_helpers import descendants, run_distributed, stat_fields, worker_context
-from reliability_common import describe
+from distributed_helpers import descendants, describe, run_distributed, stat_fields, worker_context
 from torch.utils.data import DataLoader
 
 

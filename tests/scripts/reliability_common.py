@@ -24,10 +24,11 @@ if str(TESTS_DIR) not in sys.path:
 
 import torch  # noqa: E402
 from distributed_helpers import (  # noqa: E402
+    command_line,
     descendants,
+    describe,
     kill_pids,
     session_members,
-    stat_fields,
     worker_context,
 )
 from scenarios import IndexDataset, PKBatches, Recorder, labels_for, trainer_kwargs  # noqa: E402
@@ -51,35 +52,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return ""
-
-
-def describe(pids: List[int]) -> str:
-    """One line per process: pid, parent, state and the kernel function it sleeps in, then its command.
-
-    For failure messages: a job that never ends is told apart from one that is merely slow by who is left
-    and where they wait (a worker parked in ``futex_wait`` since its fork, a rank polling for its data).
-    """
-    lines = []
-    for pid in pids:
-        fields = stat_fields(pid)
-        if fields is None:
-            continue
-        try:
-            waiting_in = Path(f"/proc/{pid}/wchan").read_text().strip()
-        except OSError:
-            waiting_in = "?"
-        if waiting_in in ("", "0"):  # running, or the kernel does not say
-            waiting_in = "-"
-        command = " ".join(command_line(pid).split())[:120]
-        lines.append(f"  {pid} (parent {fields[1]}, state {fields[0]}, waiting in {waiting_in}): {command}")
-    return "\n".join(lines) or "  (none)"
-
-
 def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.2) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passed; return whether it held (a bounded wait)."""
     deadline = time.monotonic() + timeout_s
@@ -96,11 +68,7 @@ def kill_session(session_id: int) -> None:
         os.killpg(session_id, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    for pid in session_members(session_id):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    kill_pids(session_members(session_id))
 
 
 def job_env(port: Optional[int] = None, **extra: str) -> Dict[str, str]:
