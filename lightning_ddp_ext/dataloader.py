@@ -85,17 +85,20 @@ def _fork_deadlock_warning(loader: DataLoader, version: Tuple[int, int, int] = _
 
 
 def is_sharded(loader: DataLoader) -> bool:
-    """Whether the loader already gives each rank its own share (a distributed sampler or one of ours)."""
+    """Whether the loader already gives each rank its own share (a distributed sampler or one of ours), also
+    when the distributed sampler sits inside the batch sampler."""
     sharded = (DistributedSampler, DistributedSamplerWrapper, DistributedBatchSamplerWrapper)
-    return isinstance(loader.sampler, sharded) or isinstance(loader.batch_sampler, sharded)
+    candidates = (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    return any(isinstance(candidate, sharded) for candidate in candidates)
 
 
 def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
-    """Samplers that DistributedSampler reproduces exactly: sequential, or a plain permutation."""
+    """Samplers that DistributedSampler reproduces exactly: sequential, or a plain permutation, over the
+    loader's own dataset (one over another data source draws other indices: it is wrapped like a custom one)."""
     if type(sampler) is SequentialSampler:
-        return True
+        return sampler.data_source is dataset
     if type(sampler) is RandomSampler:
-        return not sampler.replacement and sampler.num_samples == len(dataset)
+        return sampler.data_source is dataset and not sampler.replacement and sampler.num_samples == len(dataset)
     return False
 
 
@@ -128,8 +131,9 @@ def patch_dataloader_to_ddp(
             ``not drop_last``) also apply to the ``DistributedSampler`` used for default samplers.
 
     Returns:
-        The new loader; the loader itself when there is nothing to shard (an IterableDataset, a loader that is
-        already sharded, or no process group and no explicit ``num_replicas``/``rank``), with a warning.
+        The new loader; the loader itself when there is nothing to shard: a loader that is already sharded
+        (silently), an IterableDataset or no process group and no explicit ``num_replicas``/``rank`` (with a
+        warning).
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -179,7 +183,9 @@ def patch_dataloader_to_ddp(
         new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
 
-    sampler: Sampler[Any] = loader.sampler  # type: ignore[assignment]
+    # The batch sampler's own sampler, size and drop_last: with DataLoader(batch_sampler=BatchSampler(...)),
+    # loader.sampler is a default SequentialSampler and loader.batch_size is None.
+    sampler: Sampler[Any] = loader.sampler if batch_sampler is None else batch_sampler.sampler  # type: ignore
     new_sampler: Sampler[Any]
     if _is_default_sampler(sampler, dataset) and not options.get("even_shares", True):
         shuffled = type(sampler) is RandomSampler
@@ -204,8 +210,8 @@ def patch_dataloader_to_ddp(
         return DataLoader(dataset, batch_size=None, sampler=new_sampler, **carried)
     return DataLoader(
         dataset,
-        batch_size=loader.batch_size,
-        drop_last=loader.drop_last,
+        batch_size=batch_sampler.batch_size,  # type: ignore[attr-defined]
+        drop_last=batch_sampler.drop_last,  # type: ignore[attr-defined]
         sampler=new_sampler,
         **carried,
     )

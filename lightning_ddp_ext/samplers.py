@@ -18,6 +18,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
+import operator
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
@@ -74,11 +75,22 @@ def _resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str)
             )
         num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         rank = dist.get_rank() if rank is None else rank
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+    world, own_rank = _integer_or_none(num_replicas), _integer_or_none(rank)
+    if world is None or world < 1:
         raise ValueError(f"{owner}: num_replicas must be an integer >= 1, got {num_replicas!r}.")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ValueError(f"{owner}: rank must be an integer in [0, {num_replicas - 1}], got {rank!r}.")
-    return num_replicas, rank
+    if own_rank is None or not 0 <= own_rank < world:
+        raise ValueError(f"{owner}: rank must be an integer in [0, {world - 1}], got {rank!r}.")
+    return world, own_rank
+
+
+def _integer_or_none(value: Any) -> Optional[int]:
+    """``value`` as an int if it is an integer (a numpy or torch integer too, not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _fewer_items_than_ranks(what: str, world: int) -> ValueError:

@@ -6,10 +6,19 @@ import sys
 import warnings
 from typing import Any, Iterator, List
 
+import numpy as np
 import pytest
 import torch
 from distributed_helpers import run_distributed, worker_context
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_ddp_ext import dataloader, patch_dataloader_to_ddp
@@ -74,6 +83,47 @@ def test_custom_index_sampler_under_plain_batch_sampler_is_wrapped() -> None:
     assert patched.batch_size == 5 and len(patched) == 3
     with_replacement = RandomSampler(Squares(), replacement=True)
     assert isinstance(patch_dataloader_to_ddp(DataLoader(Squares(), sampler=with_replacement), 2, 0).sampler, DistributedSamplerWrapper)
+
+
+def test_plain_batch_sampler_passed_as_batch_sampler_keeps_its_sampler_size_and_drop_last() -> None:
+    """DataLoader(batch_sampler=BatchSampler(...)) leaves loader.sampler a default SequentialSampler and
+    loader.batch_size None: the batch sampler's own sampler, size and drop_last are what must carry over."""
+    weighted = WeightedRandomSampler([1.0] * 30, 30, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(Squares(), batch_sampler=BatchSampler(weighted, 4, drop_last=True))
+    shares = [patch_dataloader_to_ddp(loader, 2, r) for r in range(2)]
+    for patched in shares:
+        assert isinstance(patched.sampler, DistributedSamplerWrapper) and patched.sampler.sampler is weighted
+        assert patched.batch_size == 4 and patched.drop_last
+    for rank, patched in enumerate(shares):
+        weighted.generator.manual_seed(1)  # type: ignore[union-attr]
+        share = list(weighted)[rank::2]  # the user's draws, dealt; then batched by 4, the last 3 dropped
+        weighted.generator.manual_seed(1)  # type: ignore[union-attr]
+        assert [batch.tolist() for batch in patched] == [share[0:4], share[4:8], share[8:12]]
+    sequential = DataLoader(Squares(), batch_sampler=BatchSampler(range(30), 3, drop_last=False))  # type: ignore[arg-type]
+    assert [b.tolist() for b in patch_dataloader_to_ddp(sequential, 2, 1)][:2] == [[1, 3, 5], [7, 9, 11]]
+
+
+def test_already_sharded_inside_a_plain_batch_sampler_is_left_alone() -> None:
+    inner = DistributedSampler(Squares(), num_replicas=2, rank=0)
+    loader = DataLoader(Squares(), batch_sampler=BatchSampler(inner, 4, drop_last=False))
+    assert patch_dataloader_to_ddp(loader, 2, 0) is loader
+
+
+def test_default_sampler_types_over_another_data_source_are_wrapped_not_replaced() -> None:
+    """A SequentialSampler over six of the thirty samples must not become a DistributedSampler over all 30."""
+    loader = DataLoader(Squares(), sampler=SequentialSampler(range(6)), batch_size=2)
+    shares = [[b.tolist() for b in patch_dataloader_to_ddp(loader, 2, r)] for r in range(2)]
+    assert shares == [[[0, 2], [4]], [[1, 3], [5]]]
+    permuted = RandomSampler(range(6), generator=torch.Generator().manual_seed(0))
+    patched = patch_dataloader_to_ddp(DataLoader(Squares(), sampler=permuted, batch_size=2), 2, 0)
+    assert isinstance(patched.sampler, DistributedSamplerWrapper) and patched.sampler.sampler is permuted
+
+
+def test_numpy_and_torch_integers_are_accepted_as_world_and_rank() -> None:
+    patched = patch_dataloader_to_ddp(DataLoader(Squares(), batch_size=5), np.int64(3), torch.tensor(1))
+    assert patched.sampler.num_replicas == 3 and patched.sampler.rank == 1  # type: ignore[attr-defined]
+    wrapper = DistributedBatchSamplerWrapper([[0], [1], [2]], num_replicas=np.int32(2), rank=np.int64(1))
+    assert type(wrapper.num_replicas) is int and list(wrapper) == [[1], [0]]
 
 
 def test_batch_sampler_subclass_with_own_init_is_not_reinstantiated() -> None:
