@@ -363,7 +363,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. The last position of every few blocks (about one
         in ``_SAMPLE_SPACING`` positions, see ``_sampled_block_ends``) is the digest's sample, which every rank
         hashes. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the digest hashes them in full,
-        and padding repeats them.
+        and padding repeats them. The tail that ``pad=False`` cuts joins the last window (see
+        ``_last_window``).
 
         A window yields only once it was read whole (a block in the head or at the end only once the whole
         block was), so all ranks yield the same number of items even when the sampler runs out early or
@@ -462,7 +463,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         hashes those), and drops every other item as soon as it is read.
         """
         world, rank = self.num_replicas, self.rank
-        own_positions = torch.randperm(total, generator=generator)[rank::world].numpy()
+        # pad=False (total < length) deals the first `total` positions of a permutation of the whole sequence,
+        # so the items it drops are drawn anew each epoch, as with DistributedSampler(shuffle=True, drop_last=True).
+        own_positions = torch.randperm(max(total, length), generator=generator)[:total][rank::world].numpy()
         # Padding positions repeat the start of the sequence.
         own_sources = np.where(own_positions < length, own_positions, (own_positions - length) % length)
         # The store holds each needed source once, in reading order: a source's slot is its rank among them.
@@ -629,6 +632,26 @@ def _numpy_window_permutations(seed: int, first: int, count: int, size: int, str
     return permutations
 
 
+def _last_window(span: _PlanSpan) -> tuple[int, int]:
+    """How many positions the epoch's last window permutes, and how many of them it deals.
+
+    It deals the positions up to ``total``. With padding (``total >= length``) it permutes just those, the
+    padding among them. When ``pad=False`` cuts the sequence (``total < length``), the cut tail joins the last
+    window: the window permutes it with its own positions and deals the first ``total`` of them, so the items
+    dropped are drawn anew each epoch rather than always being the sampler's last ones. A window longer than
+    ``window`` draws with its own length as the counters' stride, which keeps its counters clear of the
+    earlier windows' (see ``_window_permutations``)."""
+    last_start = (span.total - 1) // span.window * span.window
+    return max(span.total, span.length) - last_start, span.total - last_start
+
+
+def _read_end(span: _PlanSpan) -> int:
+    """One past the last sampler position a plan reads: positions from ``length`` on are padding, never read;
+    the plan of the last window also reads the tail that ``pad=False`` cuts (see ``_last_window``)."""
+    stop = min(span.end * span.window, span.total)
+    return span.length if stop == span.total else min(stop, span.length)
+
+
 def _window_plan(span: _PlanSpan) -> _WindowPlan:
     """Plan windows ``first`` to ``end - 1`` in blocks of ``windows_per_block`` windows from ``first``: which
     positions this rank keeps, and in what order it yields them. A plan of a few positions (the head's windows
@@ -642,22 +665,24 @@ def _window_plan(span: _PlanSpan) -> _WindowPlan:
 def _python_window_plan(span: _PlanSpan) -> _WindowPlan:
     """``_window_plan`` for a few positions, step by step: the reference for ``_numpy_window_plan``'s arrays."""
     seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank = span
-    full_windows = total // window
+    last = (total - 1) // window  # the epoch's last window (see _last_window)
     start = first * window
     stop = min(end * window, total)
     rows: List[tuple[int, List[int]]] = []  # per window: its offset from start, its permutation
-    if first < min(end, full_windows):
-        count = min(end, full_windows) - first
+    if first < min(end, last):
+        count = min(end, last) - first
         permutations = _window_permutations(seed, first, count, window, window).tolist()
         rows.extend(zip(range(0, count * window, window), permutations))
-    if end > full_windows:  # the epoch's last, partial window
-        permutation = _window_permutations(seed, full_windows, 1, total % window, window)[0].tolist()
-        rows.append(((full_windows - first) * window, permutation))
+    if end > last:
+        size, dealt = _last_window(span)
+        permutation = _window_permutations(seed, last, 1, size, max(size, window))[0].tolist()
+        rows.append(((last - first) * window, permutation[:dealt]))
     own = [offset + position for offset, permutation in rows for position in permutation[rank::world]]
-    read_end = min(stop, length) - start  # positions from `length` on are padding: never read
+    read_end = _read_end(span) - start
     block_size = windows_per_block * window
     block_starts = range(0, stop - start, block_size)
     block_read_ends = [min(block_start + block_size, read_end) for block_start in block_starts]
+    block_read_ends[-1] = read_end  # the last window's tail, which pad=False cuts, is read with its block
     keep = bytearray(read_end)
     for position in own:
         if position < read_end:
@@ -698,24 +723,26 @@ def _python_window_plan(span: _PlanSpan) -> _WindowPlan:
 def _numpy_window_plan(span: _PlanSpan) -> _WindowPlan:
     """``_window_plan`` with all index arithmetic in numpy, for many windows at once."""
     seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank = span
-    full_windows = total // window
+    last = (total - 1) // window  # the epoch's last window (see _last_window)
     parts = []
-    if first < min(end, full_windows):
-        count = min(end, full_windows) - first
+    if first < min(end, last):
+        count = min(end, last) - first
         own = _window_permutations(seed, first, count, window, window)[:, rank::world]
         parts.append((own + np.arange(0, count * window, window)[:, None]).reshape(-1))
-    if end > full_windows:  # the epoch's last, partial window
-        own = _window_permutations(seed, full_windows, 1, total % window, window)[0, rank::world]
-        parts.append(own + (full_windows - first) * window)
+    if end > last:
+        size, dealt = _last_window(span)
+        own = _window_permutations(seed, last, 1, size, max(size, window))[0, :dealt][rank::world]
+        parts.append(own + (last - first) * window)
     per_window = window // world
     start = first * window
     stop = min(end * window, total)
     own = np.concatenate(parts) if len(parts) > 1 else parts[0]  # yield order, relative to `start`
-    read_end = min(stop, length) - start  # positions from `length` on are padding: never read
+    read_end = _read_end(span) - start
     keep = np.zeros(read_end, dtype=np.bool_)
     keep[own[own < read_end]] = True
     block_starts = np.arange(0, stop - start, windows_per_block * window)
     block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
+    block_read_ends[-1] = read_end  # the last window's tail, which pad=False cuts, is read with its block
     keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
     keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
     kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
@@ -762,7 +789,9 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         shuffle: permute the batch order before dealing, seeded by ``seed + epoch`` (same on every rank).
         seed: base seed of that permutation.
         pad: True repeats batches from the start of the epoch's sequence so every rank gets
-            ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each).
+            ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each). When
+            shuffling, the ``len % W`` batches dropped are drawn by the shuffle, anew each epoch: from the whole
+            epoch, or with ``shuffle_window`` from the last window, which the cut tail joins.
         shuffle_window: with ``shuffle=True``, permute within consecutive windows of ``shuffle_window * W``
             batches and stream, holding this rank's ``shuffle_window`` batches of a window as the sampler made
             them; None shuffles the whole epoch, which must then be read before the first batch and is stored

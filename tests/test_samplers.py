@@ -133,6 +133,38 @@ def test_windowed_shuffle_permutes_within_windows_only() -> None:
             assert position // span == k // window  # k-th own batch comes from window k // window
 
 
+@pytest.mark.parametrize("build", ["compiled", "python"])
+@pytest.mark.parametrize(
+    "num_batches,world,window",
+    [(20, 3, None), (20, 3, 1), (20, 3, 3), (1201, 2, 200)],  # the last: the last window is planned in numpy
+)
+def test_shuffled_pad_false_drops_batches_the_shuffle_draws(
+    num_batches: int, world: int, window: Optional[int], build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pad=False with shuffling drops len % W batches drawn by the shuffle, anew each epoch, as
+    DistributedSampler(shuffle=True, drop_last=True) does: not always the sampler's last ones, which a
+    deterministic sampler (length buckets, a curriculum) would then never train on. With a window they come
+    from the last window, which the cut tail joins."""
+    if build == "compiled" and _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    if build == "python":
+        monkeypatch.setattr(_store, "_compact", None)
+    source = VariableBatches(num_batches)
+    sequence = [tuple(b) for b in source]
+    total = num_batches // world * world
+    span = world * window if window else num_batches
+    last_window_start = (total - 1) // span * span
+    dropped_per_epoch = []
+    for epoch in range(8):
+        result = shares(source, world, epoch=epoch, shuffle=True, shuffle_window=window, pad=False)
+        dealt = Counter(as_key(batch) for share in result for batch in share)
+        assert all(count == 1 for count in dealt.values()) and sum(dealt.values()) == total
+        dropped = {sequence.index(batch) for batch in set(sequence) - set(dealt)}
+        assert len(dropped) == num_batches - total and min(dropped) >= last_window_start
+        dropped_per_epoch.append(frozenset(dropped))
+    assert len(set(dropped_per_epoch)) > 1  # a tail always cut would be the same every epoch
+
+
 def fisher_yates(seed: int, window: int, size: int, stride: int) -> List[int]:
     """The windowed shuffle's permutation of one window, written out one draw at a time in plain Python."""
 
