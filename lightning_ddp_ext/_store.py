@@ -154,7 +154,12 @@ def _converter(batched: bool, owner: str) -> Callable[[Any], bytes]:
                 raise TypeError
             # operator.index, not int(): a float or a string is refused, never truncated or parsed
             return array("q", map(operator.index, item)).tobytes()
-        except (TypeError, ValueError, OverflowError):
+        except OverflowError:
+            raise TypeError(
+                f"{owner} yielded {item!r}; each item must be {expected}, and an index must fit in 64 bits"
+                " (-2**63 <= index < 2**63) to be stored for the whole-epoch shuffle."
+            ) from None
+        except (TypeError, ValueError):
             raise TypeError(f"{owner} yielded {item!r}; each item must be {expected}.") from None
 
     return convert

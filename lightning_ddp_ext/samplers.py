@@ -262,18 +262,22 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             del block  # consumed: free it (and what it refers to) before the next block is made
         self._epoch_digest = digest.snapshot()
 
-    def _mismatch(self, length: int, produced: int) -> LengthMismatchError:
+    def _mismatch(self, length: int, produced: int, more: bool = False) -> LengthMismatchError:
+        """The error for a sampler whose iteration made ``produced`` items (more than that if ``more``)."""
         return LengthMismatchError(
-            f"{self._source_name}.__len__() returned {length} but iterating it produced {produced} item(s) in"
+            f"{self._source_name}.__len__() returned {length} but iterating it produced"
+            f" {'more than ' if more else ''}{produced} item(s) in"
             f" epoch {self.epoch}. Ranks step in lock-step on len(), so a wrong __len__ makes DDP hang or drop data:"
             f" make __len__ return exactly the number of items __iter__ yields for the current epoch."
         )
 
     def _check_exhausted(self, items: Iterator[Any], read: int, length: int) -> None:
-        """Drain ``items``, of which ``read`` were read already, and raise unless the sampler made ``length``."""
-        produced = read + sum(1 for _ in items)
-        if produced != length:
-            raise self._mismatch(length, produced)
+        """Drain ``items``, of which ``read`` were read already, and raise unless the sampler made ``length``.
+
+        At most ``length`` more items are read: a sampler that never ends must fail, not hang its rank."""
+        extra = sum(1 for _ in islice(items, length + 1))
+        if read + extra != length:
+            raise self._mismatch(length, min(read + extra, read + length), more=extra > length)
 
     def _read_block(
         self, items: Iterator[Any], start: int, mask: bytes, kept: int, head: int, length: int, digest: RunningDigest

@@ -339,6 +339,14 @@ class Sized:
         return (self.make(i) for i in range(self.actual))
 
 
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 2}, {"pad": False}])
+def test_a_sampler_that_never_ends_fails_instead_of_hanging(options: dict) -> None:
+    """Checking that the sampler ended reads at most len() more items: an endless one must not hang the rank."""
+    endless = Sized(10, 10**12)  # a generator: nothing is made until read
+    with pytest.raises(LengthMismatchError, match="returned 10 but iterating it produced more than 20 item"):
+        list(DistributedBatchSamplerWrapper(endless, 3, 1, **options))
+
+
 def test_missing_len_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="__len__"):
         DistributedBatchSamplerWrapper((b for b in [[0]]), 2, 0)  # type: ignore[arg-type]

@@ -86,6 +86,13 @@ def test_single_items_that_are_not_indices_are_named(path: str, item: Any) -> No
         store.read(iter([0, item]), bytes([STORE, STORE]))
 
 
+@pytest.mark.parametrize("batched,item", [(True, [0, 2**63]), (True, [-(2**63) - 1]), (False, 2**64)])
+def test_indices_past_64_bits_are_named_as_such(path: str, batched: bool, item: Any) -> None:
+    store = CompactStore(batched=batched, owner="MySampler")
+    with pytest.raises(TypeError, match=r"an index must fit in 64 bits \(-2\*\*63 <= index < 2\*\*63\)"):
+        store.read(iter([item]), bytes([STORE]))
+
+
 def test_rebuilt_batches_are_new_lists_in_the_asked_order(path: str) -> None:
     batches = [[i, i + 1, -i] for i in range(300)] + [[], [2**62]]
     store = CompactStore(batched=True, owner="Sampler")
