@@ -1,19 +1,23 @@
 """Tests for lightning_ddp_ext.sync on real gloo process groups.
 
 Spawning costs seconds, so each world size runs one worker that exercises every case and returns what it saw;
-the test functions below only compare those results with expectations written out from the rules.
+the test functions below only compare those results with expectations written out from the rules. Calls that
+only one rank gets wrong run in a worker of their own, so a rank left waiting fails that run alone.
 """
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_ddp_ext import sync
 from lightning_ddp_ext.sync import gather_in_order, sync_dicts
@@ -102,6 +106,36 @@ def _value_of(index: torch.Tensor) -> torch.Tensor:
     return torch.stack([index * 1.5, -index.double()], dim=1)
 
 
+def _one_ulp_up_on_odd_ranks(index: torch.Tensor, rank: int) -> torch.Tensor:
+    """:func:`_value_of`, one ulp larger on odd ranks: a padded repeat rounded differently by its rank."""
+    value = _value_of(index)
+    return torch.nextafter(value, torch.full_like(value, math.inf)) if rank % 2 else value
+
+
+def _first_copies(world_size: int) -> torch.Tensor:
+    """What gathering :func:`_one_ulp_up_on_odd_ranks` must give: for each index, the copy of its lowest rank."""
+    ranks = [next(r for r in range(world_size) if i in _sampler_indices(r, world_size)) for i in range(DATASET)]
+    return torch.cat([_one_ulp_up_on_odd_ranks(torch.tensor([i]), r) for i, r in enumerate(ranks)])
+
+
+LINEAR_SAMPLES = 101  # odd, so DistributedSampler pads: index 0 is computed again on the last rank
+
+
+def _linear_embeddings(rank: int, world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of Linear(128, 128) embeddings, in batches of 16, as DistributedSampler deals them.
+
+    The padded copy of index 0 is computed in the last rank's short final batch, and the CPU matmul rounds
+    batches of different sizes differently, so its bits need not equal those of the copy on rank 0.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 128)
+    data = TensorDataset(torch.randn(LINEAR_SAMPLES, 128, generator=torch.Generator().manual_seed(1)))
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
+    with torch.no_grad():
+        embeddings = [model(x) for (x,) in DataLoader(data, batch_size=16, sampler=sampler)]
+    return torch.cat(embeddings), torch.tensor(list(sampler))
+
+
 # --- the workers ---------------------------------------------------------------------------------------------------
 
 
@@ -113,9 +147,19 @@ def _error_of(call: Callable[[], Any]) -> Optional[Tuple[str, str]]:
     return None
 
 
+def _attempt(call: Callable[[], Any]) -> Any:
+    """The result of ``call``, or its error as :func:`_error_of` describes it."""
+    try:
+        return call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+
+
 def _contains_tensor(obj: Any) -> bool:
     if isinstance(obj, torch.Tensor):
         return True
+    if isinstance(obj, bytes) and obj.startswith(b"\x80"):  # sent pickled by sync itself
+        return _contains_tensor(pickle.loads(obj))
     if isinstance(obj, dict):
         return any(_contains_tensor(k) or _contains_tensor(v) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
@@ -166,8 +210,45 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "out_of_range": _error_of(lambda: gather_in_order(_value_of(index), index, dataset_size=DATASET - 1)),
         "conflict_tensor": _error_of(lambda: gather_in_order(_value_of(index) + rank, index)),
         "conflict_objects": _error_of(lambda: gather_in_order([(i, rank) for i in index.tolist()], index)),
+        "conflict_small": _error_of(lambda: gather_in_order((_value_of(index).float() + 1) * (1 + 1e-3 * rank), index)),
     }
+
+    # Repeats that differ by rounding only, or are NaN on every rank, are the same sample.
+    results["order_one_ulp"] = _attempt(lambda: gather_in_order(_one_ulp_up_on_odd_ranks(index, rank), index, DATASET))
+    with_nan = _value_of(index)
+    with_nan[:, 1] = math.nan
+    results["order_nan"] = _attempt(lambda: gather_in_order(with_nan, index, DATASET))
+    embeddings, linear_index = _linear_embeddings(rank, world_size)
+    results["linear_local"] = embeddings
+    results["linear"] = _attempt(lambda: gather_in_order(embeddings, linear_index, dataset_size=LINEAR_SAMPLES))
+
+    # A conjugate view and a negative view (the imaginary part of a conjugate view) carry lazy bits.
+    complex_value = torch.tensor([1 + 2j, 3 - 4j]) * (rank + 1)
+    results["conj"] = _attempt(lambda: sync_dicts({"conj": complex_value.conj(), "neg": complex_value.conj().imag}))
+
+    # Keys that compare equal, with different reprs on different ranks: matched as a dict matches them.
+    one = np.int64(1) if rank == 0 else 1
+    equal_keys = {one: torch.full((1, 2), rank), 5: torch.full((1, 2), 10 + rank)}
+    results["equal_keys"] = _attempt(lambda: sync_dicts(equal_keys))
     return results
+
+
+def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
+    """Rank 0 makes each bad call alone, the other ranks a valid one: every rank must raise, none wait."""
+    bad = rank == 0
+    calls: Dict[str, Callable[[], Any]] = {
+        "length": lambda: gather_in_order(torch.zeros(3 if bad else 2, 2), [2 * rank, 2 * rank + 1]),
+        "float_indices": lambda: gather_in_order(torch.zeros(2), [0.0, 1.0] if bad else [2, 3]),
+        "zero_dim": lambda: gather_in_order(torch.tensor(1.0) if bad else torch.ones(1), [rank]),
+        "not_a_dict": lambda: sync_dicts([1] if bad else {"a": 1}),  # type: ignore[arg-type]
+        "sparse": lambda: sync_dicts({"t": torch.eye(2).to_sparse() if bad else torch.eye(2)}),
+        "unpicklable": lambda: sync_dicts({"f": (lambda: 0) if bad else 1}),
+        "world_size": lambda: sync_dicts({"a": 1}, world_size=world_size + 1 if bad else world_size),
+    }
+    return {
+        "errors": {name: _error_of(call) for name, call in calls.items()},
+        "after_errors": sync_dicts({"rank": rank}),
+    }
 
 
 def _cuda_gloo_worker(rank: int, world_size: int) -> Dict[str, Any]:
@@ -293,6 +374,7 @@ def test_gather_in_order_drops_padding_and_sorts(per_rank: List[Dict[str, Any]])
         ("out_of_range", ["range(6)", "6"]),
         ("conflict_tensor", ["different values"]),
         ("conflict_objects", ["different values"]),
+        ("conflict_small", ["different values"]),
     ],
 )
 def test_gather_in_order_errors(per_rank: List[Dict[str, Any]], case: str, words: List[str]) -> None:
@@ -308,6 +390,83 @@ def test_gather_in_order_errors(per_rank: List[Dict[str, Any]], case: str, words
             assert word in message, f"rank {rank}: {word!r} not in {message!r}"
         if case.startswith("conflict"):  # names exactly the repeated indices, whose copies sit on different ranks
             assert {int(i) for i in message.split(":")[-1].split(",")} == repeated, message
+
+
+def test_gather_in_order_keeps_the_lowest_ranks_copy_of_a_rounded_repeat(per_rank: List[Dict[str, Any]]) -> None:
+    expected = _first_copies(len(per_rank))
+    assert not torch.equal(expected, _value_of(torch.arange(DATASET))), "no repeat differs: this test checks nothing"
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["order_one_ulp"], expected, f"rank {rank}")
+
+
+def test_gather_in_order_accepts_nan_repeats(per_rank: List[Dict[str, Any]]) -> None:
+    expected = _value_of(torch.arange(DATASET))
+    expected[:, 1] = math.nan
+    for results in per_rank:
+        assert isinstance(results["order_nan"], torch.Tensor), results["order_nan"]
+        torch.testing.assert_close(results["order_nan"], expected, equal_nan=True, rtol=0, atol=0)
+
+
+def test_gather_in_order_accepts_a_padded_sample_from_a_smaller_batch(per_rank: List[Dict[str, Any]]) -> None:
+    locals_ = [results["linear_local"] for results in per_rank]
+    index = torch.cat([_linear_embeddings(r, len(per_rank))[1] for r in range(len(per_rank))])
+    embeddings = torch.cat(locals_)
+    first = [int((index == i).nonzero()[0]) for i in range(LINEAR_SAMPLES)]  # the copy of the lowest rank
+    # Where the kernels round both batch sizes alike, the repeat is bitwise equal and this checks less; with
+    # torch 2.13 on x86 CPUs it was not (about 100 of the 128 elements differed in their last bit).
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["linear"], embeddings[first], f"rank {rank}")
+
+
+def test_conjugate_and_negative_views_travel_resolved(per_rank: List[Dict[str, Any]]) -> None:
+    values = torch.cat([torch.tensor([1 + 2j, 3 - 4j]) * (r + 1) for r in range(len(per_rank))])
+    expected = {"conj": values.conj().resolve_conj(), "neg": values.conj().imag.resolve_neg()}
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["conj"], expected, f"rank {rank}")
+
+
+def test_keys_that_compare_equal_are_merged_whatever_their_repr(per_rank: List[Dict[str, Any]]) -> None:
+    ranks = range(len(per_rank))
+    for rank, results in enumerate(per_rank):
+        merged = results["equal_keys"]
+        assert isinstance(merged, dict), merged
+        _assert_same(merged[1], torch.cat([torch.full((1, 2), r) for r in ranks]), f"rank {rank}[1]")
+        _assert_same(merged[5], torch.cat([torch.full((1, 2), 10 + r) for r in ranks]), f"rank {rank}[5]")
+
+
+@pytest.fixture(scope="module")
+def lone_bad_calls() -> List[Dict[str, Any]]:
+    """Each rank's results from :func:`_lone_bad_call_worker`; a rank left waiting fails it in 45 s, not 30 min."""
+    return run_distributed(_lone_bad_call_worker, 2, timeout=45)
+
+
+@pytest.mark.parametrize(
+    "case, kind, words",
+    [
+        ("length", "ValueError", ["3 values", "2 indices"]),
+        ("float_indices", "ValueError", ["integers"]),
+        ("zero_dim", "ValueError", ["0-dim"]),
+        ("not_a_dict", "TypeError", ["expects a dict", "list"]),
+        ("sparse", "TypeError", ["dense", "sparse", "'t'"]),
+        ("unpicklable", "TypeError", ["pickle", "'f'"]),
+        ("world_size", "ValueError", ["world_size=3"]),
+    ],
+)
+def test_one_ranks_bad_call_raises_on_every_rank(
+    lone_bad_calls: List[Dict[str, Any]], case: str, kind: str, words: List[str]
+) -> None:
+    for rank, results in enumerate(lone_bad_calls):
+        error = results["errors"][case]
+        assert error is not None, f"rank {rank} did not raise for {case}"
+        assert error[0] == kind, f"rank {rank}: {error}"
+        for word in ["rank 0:", *words]:
+            assert word in error[1], f"rank {rank}: {word!r} not in {error[1]!r}"
+        assert "rank 1" not in error[1], error[1]
+
+
+def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[str, Any]]) -> None:
+    for results in lone_bad_calls:
+        assert results["after_errors"] == {"rank": [0, 1]}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -387,6 +546,23 @@ def test_gather_in_order_locally_rejects_bad_input(
         gather_in_order(values, indices, dataset_size)
     for word in words:
         assert word in str(raised.value), f"{word!r} not in {raised.value}"
+
+
+@pytest.mark.usefixtures("no_process_group")
+def test_gather_in_order_locally_tolerates_rounding_only() -> None:
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    up = torch.nextafter(x, torch.full_like(x, math.inf))
+    _assert_same(gather_in_order(torch.cat([x, up]), [0, 1, 2, 0, 1, 2]), x)
+    _assert_same(gather_in_order([x[0], up[0]], [4, 4])[0], x[0])  # per-sample tensors in a list
+    nan = torch.tensor([[math.nan, 1.0], [math.nan, 1.0]])
+    assert gather_in_order(nan, [0, 0]).isnan().sum() == 1
+    with_nan = x[:1].clone()
+    with_nan[0, 0] = math.nan
+    for different in (x[:1] * (1 + 1e-3), with_nan, x[:1].to(torch.complex64) * 1j):
+        with pytest.raises(ValueError, match="different values for the same index: 0"):
+            gather_in_order(torch.cat([x[:1].to(different.dtype), different]), [0, 0])
+    with pytest.raises(ValueError, match="different values"):
+        gather_in_order([x[0], x[0].double()], [4, 4])  # another dtype is another value
 
 
 @pytest.mark.usefixtures("no_process_group")
