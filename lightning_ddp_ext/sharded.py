@@ -74,7 +74,10 @@ def _wrapper_options() -> Tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- partition
 def balanced_partition(
-    param_groups: Sequence[Mapping[str, Any]], world_size: int, largest_first: bool = True
+    param_groups: Sequence[Mapping[str, Any]],
+    world_size: int,
+    largest_first: bool = True,
+    keep: Optional[Mapping[torch.Tensor, int]] = None,
 ) -> List[List[Dict[str, Any]]]:
     """Assign every parameter to one rank: each, largest first, to the rank that holds the fewest elements so far.
 
@@ -87,6 +90,8 @@ def balanced_partition(
         param_groups: the optimizer's parameter groups.
         world_size: number of ranks.
         largest_first: False reproduces fairscale's own partition (for comparison).
+        keep: parameters that stay on the rank they map to (an earlier partition); only the others are
+            assigned, onto the ranks' loads including the kept ones.
 
     Returns:
         One list per rank with a copy of every group (also of groups where the rank owns nothing, so that
@@ -108,11 +113,17 @@ def balanced_partition(
     def weight(param: torch.Tensor) -> int:
         return param.numel() if param.requires_grad else 1
 
+    keep = keep or {}
     entries = [(g, i, p) for g, group in enumerate(param_groups) for i, p in enumerate(group["params"])]
-    if largest_first:
-        entries.sort(key=lambda entry: -weight(entry[2]))  # stable: equal sizes keep parameter order
     loads = [0] * world_size
     owner: Dict[Tuple[int, int], int] = {}
+    for g, i, param in entries:
+        if param in keep:
+            owner[(g, i)] = keep[param]
+            loads[keep[param]] += weight(param)
+    entries = [entry for entry in entries if (entry[0], entry[1]) not in owner]
+    if largest_first:
+        entries.sort(key=lambda entry: -weight(entry[2]))  # stable: equal sizes keep parameter order
     for g, i, param in entries:
         rank = loads.index(min(loads))
         owner[(g, i)] = rank
@@ -136,13 +147,25 @@ def _balanced_oss_class() -> type:
 
         The parameter groups keep the user's parameter order, so ``state_dict()`` (consolidated) indexes
         parameters exactly as the unsharded optimizer does and checkpoints stay interchangeable with CustomDDP.
+
+        A parameter keeps its rank once assigned. OSS recomputes the partition when a group is added
+        (``add_param_group``, as Lightning's ``BaseFinetuning`` does) but only appends the new group to the
+        shard optimizer, so it relies on the old assignments staying put, as its in-order partition does.
+        Re-sorting all parameters would move some: the shard optimizer would no longer step them (and their
+        state would stay behind), while the rank that now owns them broadcasts them unchanged.
         """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._owners: Dict[torch.Tensor, int] = {}  # every partitioned parameter -> its rank
+            super().__init__(*args, **kwargs)
 
         @override
         def partition_parameters(self) -> List[List[Dict[str, Any]]]:
             # OSS caches the partition in this list and clears it when parameters change.
             if len(self._partition_parameters) == 0:  # type: ignore[has-type]
-                self._partition_parameters = balanced_partition(self.param_groups, self.world_size)
+                partition = balanced_partition(self.param_groups, self.world_size, keep=self._owners)
+                self._owners = {p: rank for rank, groups in enumerate(partition) for g in groups for p in g["params"]}
+                self._partition_parameters = partition
             return self._partition_parameters
 
     BalancedOSS.__module__, BalancedOSS.__qualname__ = __name__, "BalancedOSS"
@@ -198,6 +221,21 @@ def shard_optimizer(optimizer: Optimizer, group: Optional[Any] = None) -> "OSS":
         ) from error
 
 
+def _repoint(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> bool:
+    """Point every scheduler of ``old`` at ``new``, those nested in SequentialLR and ChainedScheduler too.
+
+    Those two step their child schedulers (``_schedulers``, torch's private attribute, checked on torch 2.13),
+    each of which writes into its own ``optimizer``. Returns whether any scheduler was re-pointed.
+    """
+    moved = False
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+            moved = True
+        moved |= _repoint(getattr(scheduler, "_schedulers", ()), old, new)
+    return moved
+
+
 def _point_schedulers_at(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> None:
     """Make the LR schedulers of ``old`` adjust ``new``, which OSS syncs into its shard optimizer at each step.
 
@@ -206,11 +244,7 @@ def _point_schedulers_at(schedulers: Sequence[Any], old: Optimizer, new: Optimiz
     checked on torch 2.13: ``step._wrapped_by_lr_sched`` and ``optimizer._opt_called``; where it differs,
     the only effect is one spurious warning).
     """
-    moved = False
-    for scheduler in schedulers:
-        if getattr(scheduler, "optimizer", None) is old:
-            scheduler.optimizer = new
-            moved = True
+    moved = _repoint(schedulers, old, new)
     if not moved or not hasattr(old.step, "_wrapped_by_lr_sched") or hasattr(new.step, "_wrapped_by_lr_sched"):
         return
     reference = weakref.ref(new)  # no cycle through the bound method, as in torch
@@ -225,6 +259,34 @@ def _point_schedulers_at(schedulers: Sequence[Any], old: Optimizer, new: Optimiz
 
     counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     new.step = counted_step  # type: ignore[method-assign]
+
+
+def _reduce_added_parameters(wrapper: Module) -> None:
+    """Make ShardedDataParallel reduce the gradients of parameters added to its optimizers after wrapping.
+
+    SDP lists the parameters it reduces once, from its optimizers, when it is built (``_all_params``). A group
+    added later (``add_param_group``, as Lightning's ``BaseFinetuning`` does) kept each rank's own gradient:
+    its owner stepped on its local batch only. This re-lists them and rebuilds SDP's hooks (fairscale's
+    private attributes, checked on fairscale 0.4.13); it costs one count per step when nothing was added.
+    """
+    _, sharded_data_parallel = _fairscale()
+    if not isinstance(wrapper, sharded_data_parallel):  # configure_ddp was overridden to return another wrapper
+        return
+    sdp: Any = wrapper
+    optimizers: List["OSS"] = sdp._sharded_optimizers
+    if sum(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups) == len(
+        sdp._all_params
+    ):
+        return
+    sdp._all_params = [
+        param
+        for optimizer in optimizers
+        for per_rank in optimizer._per_device_params.values()
+        for params in per_rank
+        for param in params
+    ]
+    sdp._reference_trainable_mask = [param.requires_grad for param in sdp._all_params]
+    sdp.refresh_trainable()
 
 
 # ---------------------------------------------------------------------------------------------- precision
@@ -294,6 +356,30 @@ def require_every_rank(group: Any, timeout: timedelta) -> None:
         ) from error
 
 
+#: The checkpoint guard's Gloo group ("group") and the default process group it was made in ("world").
+_save_guard: Dict[str, Any] = {}
+
+
+def _renew_save_group() -> Any:
+    """A new Gloo group over the whole world for :func:`require_every_rank`; the previous one is destroyed.
+
+    Each strategy setup (every fit, validate, test) calls this on every rank, so a group left unusable by a
+    timed-out guard is not used again, and one such group exists per process, whichever Trainer made it. It
+    is not destroyed at teardown: ``trainer.save_checkpoint`` after ``fit`` is guarded too.
+    """
+    if _save_guard.get("world") is dist.group.WORLD:  # else it went with its default group
+        dist.destroy_process_group(_save_guard["group"])
+    _save_guard.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+    return _save_guard["group"]
+
+
+def _current_save_group() -> Optional[Any]:
+    """The guard's group, if it belongs to the current default process group."""
+    if dist.is_initialized() and _save_guard.get("world") is dist.group.WORLD:
+        return _save_guard["group"]
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- strategy
 class CustomDDPSharded(CustomDDP):
     """CustomDDP that shards optimizer state and gradients with fairscale (OSS + ShardedDataParallel).
@@ -305,8 +391,10 @@ class CustomDDPSharded(CustomDDP):
     What it does, and why (each is a silent error in a straight port of Lightning 1.x's ``ddp_sharded``):
 
     - optimizers from ``configure_optimizers`` are rebuilt as :class:`fairscale.optim.OSS` of the same class,
-      parameter groups and defaults (LR schedulers follow), partitioned largest-first for balanced shards;
-      an OSS you build yourself is used as it is;
+      parameter groups and defaults (LR schedulers follow, those nested in SequentialLR and ChainedScheduler
+      too), partitioned largest-first for balanced shards; an OSS you build yourself is used as it is;
+    - groups added with ``add_param_group`` (Lightning's ``BaseFinetuning``) leave earlier parameters on their
+      rank, and SDP reduces the new parameters' gradients from the next training step;
     - the model is wrapped in ``ShardedDataParallel`` by :meth:`configure_ddp` after the optimizers exist
       (SDP needs them; Lightning 2.x builds optimizers after wrapping);
     - every training step runs with the wrapper in train mode, and validation steps bypass the wrapper;
@@ -371,7 +459,6 @@ class CustomDDPSharded(CustomDDP):
                 " and buckets keep unsharded gradient buffers on every rank. Remove reduce_buffer_size."
             )
         self.save_timeout = save_timeout
-        self._save_group: Optional[Any] = None
         self._wrap_pending = False
 
     # ------------------------------------------------------------------ process group
@@ -380,7 +467,7 @@ class CustomDDPSharded(CustomDDP):
         super().setup_distributed()
         # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
         # leaves its group unusable, which must not be the group training runs on.
-        self._save_group = dist.new_group(backend="gloo")
+        _renew_save_group()
 
     # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
     @override
@@ -438,6 +525,7 @@ class CustomDDPSharded(CustomDDP):
         # reducing, silently. Only the wrapper's own flag is set: the LightningModule's modes are left as they are.
         if self.model is not None and self.model is not self.lightning_module:
             self.model.training = True
+            _reduce_added_parameters(self.model)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -463,6 +551,7 @@ class CustomDDPSharded(CustomDDP):
         """
         oss_class, _ = _fairscale()
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(raw, oss_class) and self._save_group is not None:
-            require_every_rank(self._save_group, self.save_timeout)
+        save_group = _current_save_group()
+        if isinstance(raw, oss_class) and save_group is not None:
+            require_every_rank(save_group, self.save_timeout)
         return super().optimizer_state(optimizer)

@@ -3,9 +3,9 @@
 The Trainer runs share a module-scoped fixture (each spawn run costs 10-20 s here): one CustomDDP and one
 CustomDDPSharded fit of the same seeded job, with a validation loop (sanity check included, eval_mode="exact"
 with an odd number of validation batches), accumulate_grad_batches=2, norm clipping that is active at every
-step, Adam with a per-step LR schedule, and a BatchNorm buffer. Each silent error of a straight port of
-Lightning 1.x's ``ddp_sharded`` makes the sharded run differ from the CustomDDP one, or hang (every run has a
-process-group timeout and a test timeout).
+step, Adam with a per-step LR schedule nested in a ChainedScheduler and a SequentialLR, and a BatchNorm buffer.
+Each silent error of a straight port of Lightning 1.x's ``ddp_sharded`` makes the sharded run differ from the
+CustomDDP one, or hang (every run has a process-group timeout and a test timeout).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from distributed_helpers import run_distributed, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from scenarios import PKBatches, labels_for, trainer_kwargs
@@ -81,6 +81,7 @@ class Regressor(pl.LightningModule):
         self.inf_gradient_at_first_step = inf_gradient_at_first_step
         self.losses: List[float] = []
         self.clipped_norms: List[float] = []
+        self.lrs: List[float] = []  # the learning rate each optimizer step applied
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -96,8 +97,12 @@ class Regressor(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.parameters(), lr=0.05)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": nested_schedule(optimizer), "interval": "step"}}
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        optimizer = self.trainer.optimizers[0]
+        self.lrs.append(getattr(optimizer, "optim", optimizer).param_groups[0]["lr"])  # OSS: its shard optimizer's
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
         self.clip_gradients(optimizer, gradient_clip_val, "norm")
@@ -121,12 +126,32 @@ class Regressor(pl.LightningModule):
             "state_bytes": sum(
                 t.numel() * t.element_size() for s in shard.state.values() for t in s.values() if torch.is_tensor(t)
             ),
-            "shard_lr": shard.param_groups[0]["lr"],
+            "lrs": self.lrs,
             "wrapper": type(self.trainer.model).__name__,
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "scale": scaler.get_scale() if scaler is not None else None,
         }
         torch.save(report, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+def nested_schedule(optimizer: torch.optim.Optimizer) -> Any:
+    """Schedulers that step child schedulers, each writing into the optimizer it was built with."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, ExponentialLR, SequentialLR, StepLR
+
+    warm_up, decay = ConstantLR(optimizer, factor=0.5, total_iters=1), StepLR(optimizer, step_size=1, gamma=0.8)
+    return ChainedScheduler([SequentialLR(optimizer, [warm_up, decay], milestones=[1]), ExponentialLR(optimizer, 0.9)])
+
+
+def expected_lrs(steps: int) -> List[float]:
+    """The learning rate of each step of ``nested_schedule`` on a plain optimizer, in this process."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    scheduler = nested_schedule(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
 
 
 def fit(
@@ -232,8 +257,21 @@ def test_optimizer_is_oss_with_smaller_per_rank_state(runs: Dict[str, Any]) -> N
     assert all("OSS" in report["optimizer_mro"] for report in runs["sharded"])
     assert all(0 < shard < 0.6 * full for shard in shards), (shards, full)
     assert sum(shards) == full, (shards, full)  # every parameter's state on exactly one rank
-    # the LR schedule reached the shard optimizer: 4 steps of gamma=0.8
-    assert [report["shard_lr"] for report in runs["sharded"]] == pytest.approx([0.05 * 0.8**4] * 2)
+
+
+@needs_fairscale
+@pytest.mark.timeout(240)
+def test_nested_lr_schedulers_drive_the_shard_optimizer(runs: Dict[str, Any]) -> None:
+    """A ChainedScheduler over a SequentialLR: every child scheduler is re-pointed at the OSS optimizer.
+
+    Re-pointing only the top-level scheduler left the children writing into the discarded optimizer: the
+    shard optimizer kept the initial learning rate.
+    """
+    expected = expected_lrs(4)
+    assert len(set(expected)) == 4  # every step changes it, through both levels of nesting
+    for ddp, sharded in zip(runs["ddp"], runs["sharded"]):
+        assert ddp["lrs"] == pytest.approx(expected)
+        assert sharded["lrs"] == pytest.approx(expected)
 
 
 @needs_fairscale
@@ -260,6 +298,7 @@ def test_resume_equals_uninterrupted_and_checkpoints_interchange(runs: Dict[str,
         resumed = fit(root / name, strategy, ckpt_path=ckpt)
         for rank in range(2):
             assert resumed[rank]["losses"] == pytest.approx(expected[rank]["losses"][4:], rel=1e-5, abs=1e-6), name
+            assert resumed[rank]["lrs"] == pytest.approx(expected[rank]["lrs"][2:]), name  # scheduler state restored
             assert_same_weights(resumed[rank]["weights"], expected[rank]["weights"], atol=1e-6, buffers=rank == 0)
 
 
@@ -294,9 +333,65 @@ def test_bf16_mixed_clips_the_global_norm(tmp_path: Path) -> None:
     assert_same_weights(reports[1]["weights"], reports[0]["weights"], atol=0, buffers=False)
 
 
+class FineTuned(pl.LightningModule):
+    """A backbone frozen at first and a head; rank 0 saves the final weights to ``<out_dir>/weights.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.head = torch.nn.Linear(4, 1)
+        self.out_dir = out_dir
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            torch.save(self.state_dict(), Path(self.out_dir) / "weights.pt")
+
+
+class UnfreezeBackbone(BaseFinetuning):
+    """Lightning's fine-tuning callback: the backbone joins the optimizer as a new group at epoch 1."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.05)
+
+
+@needs_fairscale
+@pytest.mark.timeout(120)
+def test_parameters_added_by_base_finetuning_train_as_on_one_process(tmp_path: Path) -> None:
+    """2 ranks with 2 samples per batch each against 1 process with the same 4 samples per batch.
+
+    Fails without: the new group's parameters keeping to the partition the shard optimizer steps (some
+    stayed at their initial values), and ShardedDataParallel reducing their gradients (each owner stepped
+    on its own rank's gradient).
+    """
+    loader = DataLoader(Points(16), batch_size=2)  # per rank: dealt 0, 2, 4, ... and 1, 3, 5, ...
+    kwargs = trainer_kwargs(callbacks=[UnfreezeBackbone()])
+    pl.Trainer(strategy=spawn(CustomDDPSharded), **kwargs).fit(FineTuned(str(tmp_path)), loader)
+    sharded = torch.load(tmp_path / "weights.pt", weights_only=True)
+    reference = FineTuned(str(tmp_path))
+    pl.Trainer(**{**kwargs, "devices": 1, "callbacks": [UnfreezeBackbone()]}).fit(
+        reference, DataLoader(Points(16), batch_size=4)
+    )
+    initial = FineTuned(str(tmp_path)).state_dict()
+    for name, value in reference.state_dict().items():
+        assert not torch.equal(value, initial[name]), name  # every parameter trained
+        assert torch.allclose(sharded[name], value, atol=1e-6), (name, (sharded[name] - value).abs().max().item())
+
+
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks
 def _parts(rank: int, world_size: int) -> Dict[str, Any]:
-    """Re-wrapping, schedulers, clipping in every precision, the scaler and the save guard, on real ranks."""
+    """Re-wrapping, schedulers, clipping in every precision, the scaler, the save guard and its group, on real ranks."""
     from fairscale.optim import OSS
     from lightning.pytorch.utilities.enums import GradClipAlgorithmType
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -370,6 +465,26 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     assert isinstance(scaler, ShardedGradScaler) and rank_synchronised_scaler(scaler, "cpu") is scaler
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (1024.0, 7)
 
+    # every setup (fit, test, another Trainer's) replaces the save guard's group: one at a time, kept after teardown
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    counts = [groups()]
+    for _ in range(2):  # two Trainers, each with a fit and a test
+        strategy = CustomDDPSharded(
+            accelerator=CPUAccelerator(),
+            parallel_devices=[torch.device("cpu")] * 2,
+            cluster_environment=LightningEnvironment(),
+        )
+        for _ in range(2):
+            strategy.setup_distributed()
+            strategy.teardown()
+            counts.append(groups())
+    assert counts == [counts[0]] + [counts[0] + 1] * 4, counts
+
     # a save on rank 0 only raises instead of hanging; the other rank never calls
     group = dist.new_group(backend="gloo")
     if rank == 0:
@@ -388,6 +503,54 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
 def test_parts_on_two_ranks() -> None:
     facts = run_distributed(_parts, 2, timeout=90)
     assert "trainer.save_checkpoint() on every rank" in facts[0]["guard"]
+
+
+def _add_param_group(rank: int, world_size: int) -> None:
+    """Adam, one step, two groups added, two steps: sharded and plain optimizers give the same parameters."""
+    from lightning_ddp_ext.sharded import shard_optimizer
+
+    def build() -> List[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(n)) for n in (8, 7, 2, 1, 20, 3, 9)]
+
+    def step(optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for param in params:  # the same gradients on every rank and for both optimizers
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+
+    def owners() -> Dict[int, int]:
+        partition = sharded.partition_parameters()
+        return {id(p): r for r, groups in enumerate(partition) for g in groups for p in g["params"]}
+
+    plain_params, sharded_params = build(), build()
+    plain = torch.optim.Adam(plain_params[:4], lr=0.1)
+    sharded = shard_optimizer(torch.optim.Adam(sharded_params[:4], lr=0.1))
+    step(plain, plain_params, 0)
+    step(sharded, sharded_params, 0)
+    before = owners()
+    for optimizer, params in ((plain, plain_params), (sharded, sharded_params)):
+        optimizer.add_param_group({"params": params[4:5]})
+        optimizer.add_param_group({"params": params[5:], "lr": 0.01})
+    after = owners()
+    assert {key: after[key] for key in before} == before  # parameters with optimizer state stay where it is
+    fresh = balanced_partition(sharded.param_groups, world_size)  # re-sorting everything would move some
+    assert {id(p): r for r, groups in enumerate(fresh) for g in groups for p in g["params"]} != after
+    local = [[id(p) for p in group["params"]] for group in sharded.optim.param_groups]
+    assert local == [[id(p) for p in group["params"]] for group in sharded.partition_parameters()[rank]]
+    for seed in (1, 2):
+        step(plain, plain_params, seed)
+        step(sharded, sharded_params, seed)
+    for index, (mine, expected) in enumerate(zip(sharded_params, plain_params)):
+        assert torch.allclose(mine, expected, atol=1e-7), (rank, index, mine, expected)
+
+
+@needs_fairscale
+@pytest.mark.timeout(120)
+def test_add_param_group_steps_every_parameter_as_the_plain_optimizer() -> None:
+    """Lightning's BaseFinetuning adds groups with ``add_param_group``. OSS then recomputes the partition but
+    only appends the new group to the shard optimizer: a partition that moved parameters left some unstepped."""
+    run_distributed(_add_param_group, 2, timeout=90)
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -481,8 +644,8 @@ def test_registry_names_resolve(name: str, start_method: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_without_fairscale() -> None:
-    """The package and the other strategies work, the sharded names are not registered, and constructing
-    CustomDDPSharded says what to install."""
+    """The package and the other strategies work, and constructing CustomDDPSharded, by class or by its
+    registered names, says what to install."""
     script = textwrap.dedent(
         """
         import importlib.abc, sys
@@ -496,13 +659,20 @@ def test_without_fairscale() -> None:
         import lightning_ddp_ext
         from lightning.pytorch.strategies import StrategyRegistry
 
-        assert "ddp_custom_sampler_spawn" in StrategyRegistry and "ddp_custom_sampler_sharded" not in StrategyRegistry
+        import lightning.pytorch as pl
+
         lightning_ddp_ext.CustomDDP(start_method="spawn")
-        try:
-            lightning_ddp_ext.CustomDDPSharded()
-        except ImportError as error:
-            print(error)
+        for make in (
+            lightning_ddp_ext.CustomDDPSharded,
+            lambda: pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_custom_sampler_sharded"),
+            lambda: pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_custom_sampler_sharded_spawn"),
+        ):
+            try:
+                make()
+            except ImportError as error:
+                print(error)
+        assert "fairscale" not in sys.modules
         """
     )
     result = run_python("-c", script, timeout=100)
-    assert 'pip install "lightning_ddp_ext[sharded]"' in result.stdout
+    assert result.stdout.count('pip install "lightning_ddp_ext[sharded]"') == 3, result.stdout
