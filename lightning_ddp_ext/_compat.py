@@ -9,10 +9,15 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
 from lightning_ddp_ext._pickling import PICKLING_ERRORS, unpicklable_path
@@ -81,14 +86,63 @@ def comm_hook_arguments(strategy: "DDPStrategy") -> tuple[Optional[object], Opti
     return strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
 
 
+def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
+    """The loaders the running ``stage`` iterates now, as processed by the strategy, flattened in loader order.
 
-def inside_loop_steps(trainer: "pl.Trainer") -> bool:
-    """Whether the running loop is between its first step and its epoch end (Lightning's own `on_step` test).
-
-    The logger connector's ``_first_loop_iter`` is a bool from a loop's first batch until the epoch end is
-    reached, and None before and after.
+    The loop is chosen by the trainer function: ``Trainer.val_dataloaders`` prefers the fit loop's validation
+    loaders even during a later ``validate()`` on the same trainer, which would be the wrong ones then.
     """
-    return trainer._logger_connector._first_loop_iter is not None
+    loop: Any
+    if stage == RunningStage.TRAINING:
+        loop = trainer.fit_loop
+    elif stage == RunningStage.TESTING:
+        loop = trainer.test_loop
+    elif trainer.state.fn == TrainerFn.FITTING:  # validation or sanity check within fit
+        loop = trainer.fit_loop.epoch_loop.val_loop
+    else:
+        loop = trainer.validate_loop
+    combined = loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
+    """``original``'s own class, built again with the sampling arguments of ``sharded``.
+
+    For DataLoader subclasses (an ``__iter__`` of their own, extra arguments): ``patch_dataloader_to_ddp``
+    builds a plain DataLoader. The constructor arguments come from Lightning's capture of them (loaders made in
+    a ``*_dataloader`` hook) or from the instance's attributes, as in Lightning's own sampler replacement;
+    the sampler or batch sampler is the one ``sharded`` holds. Lightning's resolution of the sampler arguments
+    is given a copy without a batch sampler, so it never re-instantiates the user's batch sampler.
+
+    Raises:
+        TypeError: the class cannot be rebuilt this way; the message says what to change.
+    """
+    batch_sampler = sharded.batch_sampler
+    sampling: Dict[str, Any]
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:  # a dealt batch sampler
+        sampling = {"batch_sampler": batch_sampler, "sampler": None, "batch_size": 1, "shuffle": False, "drop_last": False}
+    else:
+        sampling = {"sampler": sharded.sampler, "batch_sampler": None, "shuffle": False}
+        sampling.update(batch_size=sharded.batch_size, drop_last=sharded.drop_last)
+    view = object.__new__(type(original))
+    view.__dict__.update(vars(original))
+    view.__dict__["batch_sampler"] = None
+    if "__pl_saved_kwargs" in view.__dict__:  # Lightning updates these in place: keep the user's loader as it is
+        view.__dict__["__pl_saved_kwargs"] = dict(view.__dict__["__pl_saved_kwargs"])
+    cls = type(original).__name__
+    try:
+        args, kwargs = _get_dataloader_init_args_and_kwargs(view, sharded.sampler)
+        positional = list(getattr(original, "__pl_saved_arg_names", ()))[: len(args)]
+        args = tuple(sampling.pop(name, value) for name, value in zip(positional, args)) + tuple(args[len(positional) :])
+        rebuilt = _reinstantiate_wrapped_cls(original, *args, **{**kwargs, **sampling})
+    except (MisconfigurationException, TypeError, ValueError) as error:
+        raise TypeError(
+            f"{cls} is a DataLoader subclass, so each rank's share is loaded by a new {cls} built with a sharded"
+            f" sampler, and building it failed: {error} Let {cls}.__init__ accept DataLoader's sampler,"
+            " batch_sampler, batch_size, shuffle and drop_last arguments and pass them on (**kwargs is enough),"
+            " or shard the loader yourself and pass Trainer(use_distributed_sampler=False)."
+        ) from error
+    return rebuilt
 
 
 class _LauncherNamingUnpicklable(_MultiProcessingLauncher):

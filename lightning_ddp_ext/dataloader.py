@@ -121,6 +121,8 @@ def patch_dataloader_to_ddp(
 
     Every DataLoader argument other than the sampling ones is carried over. The user's sampler or batch
     sampler is wrapped, never rebuilt, so batches a batch sampler builds itself reach the model unchanged.
+    The new loader is a plain ``DataLoader``, also for a DataLoader subclass (``CustomDDP`` rebuilds those as
+    their own class, with Lightning's record of their arguments).
 
     Args:
         loader: the single-process DataLoader.

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _Wrapper = Union[DistributedBatchSamplerWrapper, DistributedSamplerWrapper]
 _WRAPPER_TYPES = (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)
+#: Keys a ``distributed_sampler_kwargs`` override may return (``drop_last`` is read as ``pad=not drop_last``).
+_SAMPLER_KWARGS = ("num_replicas", "rank", "shuffle", "shuffle_window", "seed", "pad", "drop_last")
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -67,11 +69,31 @@ def _dealt_source(loader: DataLoader) -> tuple[str, int]:
     return type(loader.dataset).__name__, len(loader.dataset)  # type: ignore[arg-type]
 
 
-def _wrapper_of(loader: DataLoader) -> Optional[_Wrapper]:
-    for candidate in (loader.batch_sampler, loader.sampler):
+def _is_mean(reduce_op: Optional[Any]) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op is not None and reduce_op == dist.ReduceOp.AVG
+
+
+def _wrapper_of(loader: object) -> Optional[_Wrapper]:
+    for candidate in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
         if isinstance(candidate, _WRAPPER_TYPES):
             return candidate
     return None
+
+
+def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
+    """How many batches the rank with the smallest share of an uneven (``even_shares=False``) deal gets.
+
+    Rank ``W - 1`` takes positions ``W - 1, 2W - 1, ...``: ``len // W`` items, the fewest. Every rank computes
+    the same number from the dealt length, without communicating.
+    """
+    items = len(wrapper.source) // wrapper.num_replicas  # type: ignore[arg-type]
+    batching = loader.batch_sampler
+    if isinstance(wrapper, DistributedBatchSamplerWrapper) or batching is None:
+        return items  # whole batches dealt, or automatic batching off: one item per step
+    batch_size: int = getattr(batching, "batch_size")
+    return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
 class CustomDDP(DDPStrategy):
@@ -97,7 +119,7 @@ class CustomDDP(DDPStrategy):
             (gather with :meth:`gather_in_order` to drop them); ``"exact"`` evaluates each sample once, so
             ranks run different numbers of steps: no collective may run inside ``validation_step``/
             ``test_step`` (e.g. ``self.log(..., on_step=True, sync_dist=True)``); one that goes through the
-            strategy raises instead of hanging.
+            strategy raises instead of hanging. A loader too short to give every rank a batch is refused.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` accepts, including keyword
             arguments for the model wrapper (``find_unused_parameters``, ``static_graph``, ...).
 
@@ -139,6 +161,8 @@ class CustomDDP(DDPStrategy):
         self.seed = seed
         self._replace_samplers = True
         self._said_no_replacement = False
+        self._inside_evaluation_step = False
+        #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
@@ -192,6 +216,7 @@ class CustomDDP(DDPStrategy):
         predicting = trainer.state.fn == TrainerFn.PREDICTING
         self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
         self._watched = {}
+        self._inside_evaluation_step = False
         self._verified_train_epoch = None
         if not self._replace_samplers and not self._said_no_replacement:
             self._said_no_replacement = True
@@ -261,7 +286,7 @@ class CustomDDP(DDPStrategy):
     # ------------------------------------------------------------------ data
     @property
     def sampler_options(self) -> Dict[str, Any]:
-        """Keyword options this strategy gives the sampler wrappers of training loaders."""
+        """The constructor's options for the sampler wrappers of training loaders (see :meth:`sharding_options`)."""
         return {
             "shuffle": self.shuffle_batches_between_ranks,
             "shuffle_window": self.shuffle_window,
@@ -269,6 +294,47 @@ class CustomDDP(DDPStrategy):
             "pad": self.pad_to_world_size,
             "even_shares": True,
         }
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """``num_replicas`` and ``rank`` of this process; override to add sharding options.
+
+        An override may add ``shuffle``, ``shuffle_window``, ``seed``, ``pad`` or ``drop_last`` (read as
+        ``pad=not drop_last``); they win over the constructor's options. Validation and test loaders keep what
+        ``eval_mode`` needs whatever is returned here: no shuffle, and padded ("pad") or exact ("exact")
+        shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so
+        prefer ``drop_last`` to ``pad`` if you predict. See :meth:`sharding_options`.
+        """
+        return dict(super().distributed_sampler_kwargs)
+
+    def sharding_options(self, training: bool) -> Dict[str, Any]:
+        """The keyword arguments given to ``patch_dataloader_to_ddp`` for a training or evaluation loader.
+
+        Precedence, lowest first: the constructor's options (:attr:`sampler_options`), then the keys of
+        :attr:`distributed_sampler_kwargs`, then, for validation and test, ``shuffle=False``, ``pad=True``
+        and the share kind of ``eval_mode``: evaluation never drops samples, even with
+        ``pad_to_world_size=False``, which only concerns training.
+        """
+        hook = dict(self.distributed_sampler_kwargs)
+        unknown = sorted(set(hook) - set(_SAMPLER_KWARGS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.distributed_sampler_kwargs returned {unknown}, which this strategy does not"
+                f" use; the keys it accepts are {list(_SAMPLER_KWARGS)} (how evaluation loaders are dealt is"
+                " eval_mode's choice). Drop the others."
+            )
+        if "drop_last" in hook:
+            pad = not hook.pop("drop_last")
+            if hook.setdefault("pad", pad) != pad:
+                raise ValueError(
+                    f"{type(self).__name__}.distributed_sampler_kwargs returned pad={hook['pad']} and"
+                    f" drop_last={not pad}, which disagree (pad means not drop_last); return one of them."
+                )
+        options = {**self.sampler_options, **hook}
+        if not training:
+            options.update(shuffle=False, pad=True, even_shares=self.eval_mode == "pad")
+        return options
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -288,13 +354,12 @@ class CustomDDP(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             self._warn_unsharded(dataloader, stage)
             return dataloader
-        options = self.sampler_options
         training = stage == RunningStage.TRAINING
-        if not training:
-            options.update(shuffle=False, even_shares=self.eval_mode == "pad")
-        patched = patch_dataloader_to_ddp(dataloader, **self.distributed_sampler_kwargs, **options)
+        patched = patch_dataloader_to_ddp(dataloader, **self.sharding_options(training))
         if patched is dataloader:  # an IterableDataset, or a loader the user sharded already
             return patched
+        if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
+            patched = _compat.rebuild_dataloader(dataloader, patched)
         wrapper = _wrapper_of(patched)
         if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
@@ -302,11 +367,29 @@ class CustomDDP(DDPStrategy):
             # Every rank must deal the same number of items, or the ranks step different numbers of times.
             source, length = _dealt_source(patched)
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
-            if wrapper is not None:
-                self._watch("train" if training else "eval", wrapper)
+        if wrapper is not None and not training and not wrapper.even_shares:
+            self._refuse_rank_without_batches(patched, wrapper, stage)
         if training:
             self._prepare_first_epoch(patched, trainer)
         return patched
+
+    def _refuse_rank_without_batches(self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage]) -> None:
+        """Raise, on every rank alike, when an exact deal leaves some rank with no evaluation batch.
+
+        Lightning skips the whole evaluation on such a rank, epoch-end hooks included, so the other ranks'
+        epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``) would pair with unrelated
+        ones: a hang or a wrong result.
+        """
+        if _fewest_exact_batches(loader, wrapper) > 0:
+            return
+        world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
+        items = "batches" if isinstance(wrapper, DistributedBatchSamplerWrapper) else "samples"
+        raise RuntimeError(
+            f"{type(self).__name__}(eval_mode='exact'): the {stage.value if stage else 'evaluation'} loader deals"
+            f" {dealt} {items} of {type(wrapper.source).__name__} among {world} ranks, which leaves rank {world - 1}"
+            " without a batch; Lightning would skip evaluation there and the other ranks' epoch-end synchronisation"
+            " would hang or give wrong values. Use fewer ranks, a smaller batch size, or eval_mode='pad'."
+        )
 
     def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> None:
         """Set the epoch now, and the resume position after a mid-epoch checkpoint.
@@ -345,21 +428,26 @@ class CustomDDP(DDPStrategy):
             " shard it yourself (read torch.distributed.get_rank() in its __iter__)."
         )
 
-    def _watch(self, key: str, wrapper: _Wrapper) -> None:
-        watched = self._watched.setdefault(key, [])
-        for position, known in enumerate(watched):
-            if known.source is wrapper.source:  # the same user sampler, re-processed: keep the new wrapper
-                watched[position] = wrapper
-                return
-        watched.append(wrapper)
+    def _verify(self, trainer: Trainer, stage: RunningStage, include_epoch_digest: bool) -> None:
+        """One collective comparing the digests of the wrappers of the loaders ``stage`` runs now.
 
-    def _verify(self, key: str, include_epoch_digest: bool) -> None:
-        """One collective comparing the digests of every watched wrapper (same list on every rank)."""
+        The same list on every rank: the trainer's current loaders, in loader order. Wrappers of loaders
+        that a reload replaced since the last check contribute their last epoch's digest once more, then are
+        dropped, so reloading every epoch neither piles wrappers up nor leaves an epoch unchecked.
+        """
+        if not self._replace_samplers:
+            return
+        key = "train" if stage == RunningStage.TRAINING else "eval"
+        current = [w for w in map(_wrapper_of, _compat.current_loaders(trainer, stage)) if w is not None]
+        replaced = [w for w in self._watched.get(key, []) if not any(w is c for c in current)]
+        self._watched[key] = current
         digests: List[Optional[SequenceDigest]] = []
-        for wrapper in self._watched.get(key, []):
+        for wrapper in current:
             digests.append(wrapper.head_digest)
             if include_epoch_digest:
                 digests.append(wrapper.epoch_digest)
+        if include_epoch_digest:
+            digests.extend(wrapper.epoch_digest for wrapper in replaced)
         if digests:
             verify_same_sequence(*digests)
 
@@ -370,19 +458,44 @@ class CustomDDP(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.check_sampler_consistency and trainer is not None and trainer.current_epoch != self._verified_train_epoch:
             self._verified_train_epoch = trainer.current_epoch
-            self._verify("train", include_epoch_digest=True)
+            self._verify(trainer, RunningStage.TRAINING, include_epoch_digest=True)
         return super().training_step(*args, **kwargs)
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._evaluation_step():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._evaluation_step():
+            return super().test_step(*args, **kwargs)
+
+    @contextmanager
+    def _evaluation_step(self) -> Generator[None, None, None]:
+        """Mark the running validation/test step, where "exact" mode refuses collectives.
+
+        Only the step itself: Lightning's own barrier when it reloads loaders and the epoch-start/end hooks run
+        on every rank alike, so their collectives pair up.
+        """
+        self._inside_evaluation_step = True
+        try:
+            yield
+        finally:
+            self._inside_evaluation_step = False
+
+    @override
     def on_validation_end(self) -> None:
-        if self.check_sampler_consistency:
-            self._verify("eval", include_epoch_digest=False)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.check_sampler_consistency and trainer is not None:
+            self._verify(trainer, RunningStage.VALIDATING, include_epoch_digest=False)
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
-        if self.check_sampler_consistency:
-            self._verify("eval", include_epoch_digest=False)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.check_sampler_consistency and trainer is not None:
+            self._verify(trainer, RunningStage.TESTING, include_epoch_digest=False)
         super().on_test_end()
 
     # ------------------------------------------------------------------ evaluation
@@ -390,13 +503,13 @@ class CustomDDP(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not (trainer.validating or trainer.testing or trainer.sanity_checking):
             raise RuntimeError("evaluated_indices()/gather_in_order() work during validation or test only.")
-        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-        if isinstance(loaders, DataLoader):
-            loaders = [loaders]
-        loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders or [])
+        loaders = _compat.current_loaders(trainer, RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING)
         if not 0 <= dataloader_idx < len(loaders):
             raise IndexError(f"dataloader_idx {dataloader_idx} out of range: there are {len(loaders)} loaders.")
-        return loaders[dataloader_idx]
+        loader = loaders[dataloader_idx]
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"evaluation loader {dataloader_idx} is a {type(loader).__name__}, not a DataLoader.")
+        return loader
 
     def evaluated_indices(self, dataloader_idx: int = 0) -> List[int]:
         """The dataset indices this rank's evaluation loader yielded this run, in order, padding excluded.
@@ -432,13 +545,7 @@ class CustomDDP(DDPStrategy):
         return gather_in_order(values[:count], indices[:count])
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if (
-            self.eval_mode == "exact"
-            and trainer is not None
-            and (trainer.validating or trainer.testing or trainer.sanity_checking)
-            and _compat.inside_loop_steps(trainer)
-        ):
+        if self.eval_mode == "exact" and self._inside_evaluation_step:
             raise RuntimeError(
                 f"{name}() was called inside a validation/test step with {type(self).__name__}(eval_mode='exact'):"
                 " ranks evaluate different numbers of batches in that mode, so a per-step collective would hang."
@@ -448,7 +555,16 @@ class CustomDDP(DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduce, with the mean of an integer tensor computed in floating point.
+
+        Lightning divides an integer sum by the world size in place, truncating: ``self.log(...,
+        on_epoch=True, sync_dist=True)`` divides the mean of the ranks' sums by the truncated mean of their
+        integer sample counts, a wrong value whenever ranks saw different numbers of samples (always possible
+        with ``eval_mode="exact"`` or batch samplers of varying batch sizes).
+        """
         self._refuse_collective_inside_exact_evaluation("reduce")
+        if isinstance(tensor, torch.Tensor) and _is_mean(reduce_op) and not tensor.is_floating_point():
+            tensor = tensor.to(torch.get_default_dtype())
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

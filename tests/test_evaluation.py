@@ -51,13 +51,19 @@ def loaders() -> List[DataLoader]:
     ]
 
 
-@pytest.mark.parametrize("eval_mode", ["pad", "exact"])
-def test_gathered_embeddings_equal_single_process_in_dataset_order(tmp_path: Path, eval_mode: str) -> None:
+@pytest.mark.parametrize(
+    "eval_mode,pad_to_world_size",
+    [("pad", True), ("exact", True), ("pad", False)],  # pad_to_world_size concerns training: evaluation still pads
+)
+def test_gathered_embeddings_equal_single_process_in_dataset_order(
+    tmp_path: Path, eval_mode: str, pad_to_world_size: bool
+) -> None:
     pl.seed_everything(3)
     model = Embedder(str(tmp_path))
     with torch.no_grad():
         expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in range(SIZE)]))
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode=eval_mode), **trainer_kwargs())
+    strategy = CustomDDP(start_method="spawn", eval_mode=eval_mode, pad_to_world_size=pad_to_world_size)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     trainer.validate(model, loaders())
     reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     for idx in ("0", "1"):
@@ -81,3 +87,59 @@ def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Pa
 def test_eval_mode_is_validated() -> None:
     with pytest.raises(ValueError, match="eval_mode must be 'pad' or 'exact'"):
         CustomDDP(eval_mode="uneven")  # type: ignore[arg-type]
+
+
+class GatherAtEpochStart(pl.LightningModule):
+    """Trains, and gathers at the start of every validation epoch: outside any step, so allowed in "exact" mode."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.out_dir = out_dir
+        self.gathered: List[List[float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_validation_epoch_start(self) -> None:
+        self.gathered.append(self.all_gather(torch.tensor(float(self.global_rank))).tolist())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_fit_end(self) -> None:
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.gathered))
+
+
+def test_exact_mode_allows_collectives_outside_the_steps_during_fit(tmp_path: Path) -> None:
+    """An epoch-start all_gather, and the barrier Lightning runs when it reloads the loaders, are not refused."""
+    trainer = pl.Trainer(
+        strategy=CustomDDP(start_method="spawn", eval_mode="exact"),
+        **trainer_kwargs(reload_dataloaders_every_n_epochs=1),
+    )
+    trainer.fit(GatherAtEpochStart(str(tmp_path)), DataLoader(IndexDataset(8), batch_size=2), DataLoader(IndexDataset(5)))
+    for rank in range(2):
+        assert json.loads(Path(tmp_path, f"rank{rank}.json").read_text()) == [[0.0, 1.0]] * 2
+
+
+class MeanLogger(pl.LightningModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        self.log("mean", x.mean(), on_step=False, on_epoch=True, sync_dist=True, batch_size=len(x))
+
+
+def test_exact_mode_sync_dist_mean_weighs_every_sample_once() -> None:
+    """3 samples in batches of 4: rank 0 evaluates 2, rank 1 one; the logged mean is that of the 3 samples."""
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
+    data = IndexDataset(3)
+    [metrics] = trainer.validate(MeanLogger(), DataLoader(data, batch_size=4), verbose=False)
+    assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(3)) / 3)
+
+
+def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> None:
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
+    with pytest.raises(Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"):
+        trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +13,7 @@ from scenarios import (
     DATASET_SIZE,
     CountingDDP,
     IndexDataset,
+    LengthBuckets,
     PKBatches,
     Recorder,
     counting_allreduce,
@@ -24,7 +25,8 @@ from scenarios import (
 from torch.utils.data import DataLoader
 
 import lightning_ddp_ext
-from lightning_ddp_ext import CustomDDP
+from lightning_ddp_ext import CustomDDP, _compat
+from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
 from lightning_ddp_ext.strategy import process_group_backend_for
 
 HERE = Path(__file__).parent
@@ -186,3 +188,116 @@ def test_predict_is_sharded_by_lightning(tmp_path: Path) -> None:
     ranks = read_ranks(str(tmp_path), 2)
     seen = [i for report in ranks for _, batch in report["seen"]["predict/only"] for i in batch]
     assert sorted(seen) == list(range(DATASET_SIZE))
+
+
+class KeyedLoader(DataLoader):
+    """A DataLoader subclass with an argument of its own, whose batches come wrapped in a dict under that key."""
+
+    def __init__(self, dataset: Any, key: str, batch_size: Optional[int] = 1, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=batch_size, **kwargs)
+        self.key = key
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:  # type: ignore[override]
+        for batch in super().__iter__():
+            yield {self.key: batch}
+
+
+class SubclassLoaders(Recorder):
+    """Both loaders are KeyedLoaders made in hooks (so Lightning records their arguments), one positionally."""
+
+    def train_dataloader(self) -> DataLoader:
+        return KeyedLoader(IndexDataset(), "tk", batch_sampler=LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8))
+
+    def val_dataloader(self) -> DataLoader:
+        return KeyedLoader(IndexDataset(), "vk", 8)
+
+
+def test_dataloader_subclass_keeps_its_class(tmp_path: Path) -> None:
+    """A DataLoader subclass is rebuilt as itself around the sharded (batch) sampler, not as a plain DataLoader."""
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    trainer.fit(SubclassLoaders(str(tmp_path)))
+    ranks = read_ranks(str(tmp_path), 2)
+    expected = [list(b) for b in LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8)]
+    assert [batches_of(ranks[r], "train/tk", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
+    val = [i for r in range(2) for batch in batches_of(ranks[r], "val/vk", 0) for i in batch]
+    assert sorted(val) == list(range(DATASET_SIZE))  # the dict came from KeyedLoader.__iter__, sharded
+
+
+def test_dataloader_subclass_is_rebuilt_from_its_attributes() -> None:
+    """A loader made outside any hook: its arguments are read from its attributes, as Lightning does."""
+    loader = KeyedLoader(IndexDataset(8), "k", batch_size=2)
+    rebuilt = _compat.rebuild_dataloader(loader, patch_dataloader_to_ddp(loader, num_replicas=2, rank=1))
+    assert type(rebuilt) is KeyedLoader
+    assert [batch["k"][1].tolist() for batch in rebuilt] == [[1, 3], [5, 7]]
+
+
+class FixedLoader(DataLoader):
+    def __init__(self, dataset: Any) -> None:  # no way to pass a sampler on
+        super().__init__(dataset, batch_size=4)
+
+
+def test_dataloader_subclass_that_cannot_be_rebuilt_is_a_clear_error() -> None:
+    loader = FixedLoader(IndexDataset(8))
+    with pytest.raises(TypeError, match=r"FixedLoader is a DataLoader subclass.*\(\*\*kwargs is enough\)"):
+        _compat.rebuild_dataloader(loader, patch_dataloader_to_ddp(loader, num_replicas=2, rank=0))
+
+
+class SamplerKwargsDDP(CustomDDP):
+    """Extends the overridable hook the way Lightning subclasses do."""
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {**super().distributed_sampler_kwargs, "shuffle": True, "drop_last": True, "seed": 7}
+
+
+def test_distributed_sampler_kwargs_override_merges_with_the_options() -> None:
+    strategy = SamplerKwargsDDP(parallel_devices=[torch.device("cpu")] * 2, pad_to_world_size=True, seed=1)
+    training = strategy.sharding_options(training=True)
+    assert training == {
+        "num_replicas": 2, "rank": 0, "shuffle": True, "shuffle_window": None, "seed": 7, "pad": False,
+        "even_shares": True,
+    }  # the hook's keys win over the constructor's
+    evaluation = strategy.sharding_options(training=False)
+    assert evaluation["shuffle"] is False and evaluation["pad"] is True  # evaluation keeps what eval_mode needs
+    batches = patch_dataloader_to_ddp(DataLoader(IndexDataset(7), batch_sampler=[[i] for i in range(7)]), **training)
+    assert len(batches) == 3  # drop_last=True: the incomplete round is dropped
+
+    class Unknown(CustomDDP):
+        @property
+        def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+            return {**super().distributed_sampler_kwargs, "prefetch": 2}
+
+    with pytest.raises(TypeError, match=r"returned \['prefetch'\], which this strategy does not use"):
+        Unknown(parallel_devices=[torch.device("cpu")] * 2).sharding_options(training=True)
+
+    class Contradicting(CustomDDP):
+        @property
+        def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+            return {**super().distributed_sampler_kwargs, "pad": True, "drop_last": True}
+
+    with pytest.raises(ValueError, match="pad=True and drop_last=True, which disagree"):
+        Contradicting(parallel_devices=[torch.device("cpu")] * 2).sharding_options(training=True)
+
+
+class Reloading(Recorder):
+    """Builds new samplers at every reload and records how many wrappers the strategy compares."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=0))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=1))
+
+    def on_train_epoch_end(self) -> None:
+        watched = self.trainer.strategy._watched  # type: ignore[attr-defined]
+        self.facts.setdefault("watched", []).append([len(watched.get("train", [])), len(watched.get("eval", []))])
+
+
+def test_reloaded_loaders_replace_the_watched_wrappers(tmp_path: Path) -> None:
+    """reload_dataloaders_every_n_epochs=1 with new samplers each time: the wrappers checked do not pile up."""
+    trainer = pl.Trainer(
+        strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    )
+    trainer.fit(Reloading(str(tmp_path)))
+    for report in read_ranks(str(tmp_path), 2):
+        assert report["facts"]["watched"] == [[1, 1]] * 3
