@@ -93,6 +93,14 @@ def _integer_or_none(value: Any) -> Optional[int]:
         return None
 
 
+def _check_shuffle_window(shuffle_window: Optional[int], owner: str) -> None:
+    """Raise a ValueError naming ``owner`` unless ``shuffle_window`` is None or an integer >= 1."""
+    if shuffle_window is not None and (
+        isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1
+    ):
+        raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
+
+
 def _fewer_items_than_ranks(what: str, world: int) -> ValueError:
     """The error for ``pad=False`` with fewer items than ranks; ``what`` says what has how many items."""
     return ValueError(
@@ -124,10 +132,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 " number of items in advance to take equal shares. Add a __len__ that returns how many items"
                 " one epoch yields (or use an IterableDataset that shards itself)."
             )
-        if shuffle_window is not None and (
-            isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1
-        ):
-            raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
+        _check_shuffle_window(shuffle_window, owner)
         self.source = source
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
         if shuffle_window is not None and shuffle_window * self.num_replicas > _MAX_WINDOW:

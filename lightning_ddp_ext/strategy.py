@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.consistency import SequenceDigest, verify_same_sequence
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _check_shuffle_window
 from lightning_ddp_ext.sync import gather_in_order
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
@@ -152,6 +152,7 @@ class CustomDDP(DDPStrategy):
     ) -> None:
         if eval_mode not in ("pad", "exact"):
             raise ValueError(f"eval_mode must be 'pad' or 'exact', got {eval_mode!r}.")
+        _check_shuffle_window(shuffle_window, type(self).__name__)  # here, not in each rank at loader set-up
         super().__init__(**kwargs)
         self.eval_mode = eval_mode
         self.shuffle_batches_between_ranks = shuffle_batches_between_ranks

@@ -84,9 +84,12 @@ def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Pa
         trainer.validate(Embedder(str(tmp_path), log_every_step=True), loaders()[0])
 
 
-def test_eval_mode_is_validated() -> None:
+def test_eval_mode_and_shuffle_window_are_validated_at_construction() -> None:
+    """Before launch, in the process that builds the strategy, not in every rank once its loaders are set up."""
     with pytest.raises(ValueError, match="eval_mode must be 'pad' or 'exact'"):
         CustomDDP(eval_mode="uneven")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CustomDDP: shuffle_window must be None or an integer >= 1, got 0"):
+        CustomDDP(shuffle_batches_between_ranks=True, shuffle_window=0)
 
 
 class GatherAtEpochStart(pl.LightningModule):
