@@ -183,8 +183,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def real_share_length(self) -> int:
         """How many of this rank's items this epoch are the sampler's own, not padding repeats.
 
-        Without shuffling, padding only ever fills the last round, so these are the first items yielded.
+        Without shuffling, padding only ever fills the last round, so these are the first items yielded; uneven
+        shares (``even_shares=False``) have no padding at all, shuffled or not.
         """
+        if not self.even_shares:
+            return len(self)
         if self.shuffle:
             raise ValueError("real_share_length() needs shuffle=False: shuffling moves padding into the sequence.")
         return len(range(self.rank, min(self._declared_length(), self._plan(self._declared_length())), self.num_replicas))

@@ -304,8 +304,9 @@ class CustomDDP(DDPStrategy):
         An override may add ``shuffle``, ``shuffle_window``, ``seed``, ``pad`` or ``drop_last`` (read as
         ``pad=not drop_last``); they win over the constructor's options. Validation and test loaders keep what
         ``eval_mode`` needs whatever is returned here: no shuffle, and padded ("pad") or exact ("exact")
-        shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so
-        prefer ``drop_last`` to ``pad`` if you predict. See :meth:`sharding_options`.
+        shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so if you
+        predict return only ``drop_last`` and ``seed`` besides the ranks (``pad`` and ``shuffle_window`` make
+        it raise, and Lightning replaces ``shuffle``). See :meth:`sharding_options`.
         """
         return dict(super().distributed_sampler_kwargs)
 

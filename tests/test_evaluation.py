@@ -21,7 +21,7 @@ class Embedder(pl.LightningModule):
         super().__init__()
         self.net = torch.nn.Linear(1, 3)
         self.out_dir, self.log_every_step = out_dir, log_every_step
-        self.outputs: List[List[torch.Tensor]] = [[], []]
+        self.outputs: List[List[torch.Tensor]] = [[], [], []]  # one list per loader of loaders()
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, _ = batch
@@ -48,6 +48,7 @@ def loaders() -> List[DataLoader]:
     return [
         DataLoader(data, batch_size=4),  # default sampler
         DataLoader(data, batch_sampler=LengthBuckets([(i * 5) % 13 for i in range(SIZE)], 5)),  # custom: 9 batches
+        DataLoader(data, batch_size=4, shuffle=True),  # stays shuffled, as in Lightning (which warns)
     ]
 
 
@@ -66,7 +67,7 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     trainer.validate(model, loaders())
     reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    for idx in ("0", "1"):
+    for idx in ("0", "1", "2"):
         for report in reports:
             assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6)
         evaluated = [i for report in reports for i in report[idx]["evaluated"]]

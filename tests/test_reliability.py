@@ -269,7 +269,7 @@ def node_commands(how: str, out: Path, port: int) -> Dict[str, Tuple[List[str], 
             env = job_env(port)
         else:
             command = [sys.executable, script, str(out)]
-            env = job_env(port, NODE_RANK=str(node), WORLD_SIZE="2")
+            env = job_env(port, NODE_RANK=str(node))  # the launcher sets WORLD_SIZE from num_nodes x devices
         commands[f"node{node}"] = (command, env)
     return commands
 
