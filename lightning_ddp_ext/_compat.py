@@ -86,23 +86,39 @@ def comm_hook_arguments(strategy: "DDPStrategy") -> tuple[Optional[object], Opti
     return strategy._ddp_comm_state, strategy._ddp_comm_hook, strategy._ddp_comm_wrapper
 
 
-def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
-    """The loaders the running ``stage`` iterates now, as processed by the strategy, flattened in loader order.
-
-    The loop is chosen by the trainer function: ``Trainer.val_dataloaders`` prefers the fit loop's validation
-    loaders even during a later ``validate()`` on the same trainer, which would be the wrong ones then.
-    """
-    loop: Any
+def _running_loop(trainer: "pl.Trainer", stage: RunningStage) -> Any:
+    """The loop that runs ``stage`` now, chosen by the trainer function: ``Trainer.val_dataloaders`` prefers
+    the fit loop's validation loaders even during a later ``validate()`` on the same trainer."""
     if stage == RunningStage.TRAINING:
-        loop = trainer.fit_loop
-    elif stage == RunningStage.TESTING:
-        loop = trainer.test_loop
-    elif trainer.state.fn == TrainerFn.FITTING:  # validation or sanity check within fit
-        loop = trainer.fit_loop.epoch_loop.val_loop
-    else:
-        loop = trainer.validate_loop
-    combined = loop._combined_loader
+        return trainer.fit_loop
+    if stage == RunningStage.TESTING:
+        return trainer.test_loop
+    if trainer.state.fn == TrainerFn.FITTING:  # validation or sanity check within fit
+        return trainer.fit_loop.epoch_loop.val_loop
+    return trainer.validate_loop
+
+
+def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
+    """The loaders the running ``stage`` iterates now, as processed by the strategy, flattened in loader order."""
+    combined = _running_loop(trainer, stage)._combined_loader
     return [] if combined is None else list(combined.flattened)
+
+
+def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:
+    """Whether a validation or test batch is running: its batch-start hooks, its step or its batch-end hooks.
+
+    The evaluation loop counts a batch "ready" before its start hooks and "completed" after its end hooks (the
+    same in Lightning 2.2 and 2.6), so the two differ exactly while a batch runs. Epoch hooks and Lightning's
+    own barrier when it reloads loaders run outside any batch.
+    """
+    if trainer.testing:
+        stage = RunningStage.TESTING
+    elif trainer.validating or trainer.sanity_checking:
+        stage = RunningStage.VALIDATING
+    else:
+        return False
+    progress = _running_loop(trainer, stage).batch_progress.current
+    return bool(progress.ready > progress.completed)
 
 
 def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:

@@ -162,7 +162,6 @@ class CustomDDP(DDPStrategy):
         self.seed = seed
         self._replace_samplers = True
         self._said_no_replacement = False
-        self._inside_evaluation_step = False
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
@@ -216,8 +215,9 @@ class CustomDDP(DDPStrategy):
         # Predict loaders stay Lightning's: it shards them itself (without padding) and tracks their indices.
         predicting = trainer.state.fn == TrainerFn.PREDICTING
         self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
+        if predicting and self._replace_samplers:
+            self._refuse_sampler_kwargs_lightning_cannot_take()
         self._watched = {}
-        self._inside_evaluation_step = False
         self._verified_train_epoch = None
         if not self._replace_samplers and not self._said_no_replacement:
             self._said_no_replacement = True
@@ -227,6 +227,18 @@ class CustomDDP(DDPStrategy):
             )
         with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
             super().setup(trainer)
+
+    def _refuse_sampler_kwargs_lightning_cannot_take(self) -> None:
+        """Raise, in every rank before any loader is set up, when an overridden ``distributed_sampler_kwargs``
+        returns keys that Lightning's predict sharding passes on to torch's samplers, which do not take them."""
+        extra = sorted(set(self.distributed_sampler_kwargs) - {"num_replicas", "rank", "seed", "drop_last"})
+        if extra:
+            raise TypeError(
+                f"{type(self).__name__}.distributed_sampler_kwargs returned {extra} during predict. Lightning shards"
+                " predict loaders itself and passes this dict to torch's DistributedSampler, which takes none of"
+                " them (and Lightning sets shuffle itself). Return them only when not predicting (check"
+                " self.lightning_module.trainer.predicting), or predict with Trainer(use_distributed_sampler=False)."
+            )
 
     def _wrap_lightning_model(self) -> None:
         assert self.model is not None
@@ -304,9 +316,9 @@ class CustomDDP(DDPStrategy):
         An override may add ``shuffle``, ``shuffle_window``, ``seed``, ``pad`` or ``drop_last`` (read as
         ``pad=not drop_last``); they win over the constructor's options. Validation and test loaders keep what
         ``eval_mode`` needs whatever is returned here: no shuffle, and padded ("pad") or exact ("exact")
-        shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so if you
-        predict return only ``drop_last`` and ``seed`` besides the ranks (``pad`` and ``shuffle_window`` make
-        it raise, and Lightning replaces ``shuffle``). See :meth:`sharding_options`.
+        shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so while
+        predicting return only ``drop_last`` and ``seed`` besides the ranks; other keys are refused then with a
+        ``TypeError``. See :meth:`sharding_options`.
         """
         return dict(super().distributed_sampler_kwargs)
 
@@ -464,29 +476,6 @@ class CustomDDP(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._evaluation_step():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._evaluation_step():
-            return super().test_step(*args, **kwargs)
-
-    @contextmanager
-    def _evaluation_step(self) -> Generator[None, None, None]:
-        """Mark the running validation/test step, where "exact" mode refuses collectives.
-
-        Only the step itself: Lightning's own barrier when it reloads loaders and the epoch-start/end hooks run
-        on every rank alike, so their collectives pair up.
-        """
-        self._inside_evaluation_step = True
-        try:
-            yield
-        finally:
-            self._inside_evaluation_step = False
-
-    @override
     def on_validation_end(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.check_sampler_consistency and trainer is not None:
@@ -547,9 +536,11 @@ class CustomDDP(DDPStrategy):
         return gather_in_order(values[:count], indices[:count])
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
-        if self.eval_mode == "exact" and self._inside_evaluation_step:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.eval_mode == "exact" and trainer is not None and _compat.inside_evaluation_batch(trainer):
             raise RuntimeError(
-                f"{name}() was called inside a validation/test step with {type(self).__name__}(eval_mode='exact'):"
+                f"{name}() was called inside a validation/test batch (its step or its batch hooks) with"
+                f" {type(self).__name__}(eval_mode='exact'):"
                 " ranks evaluate different numbers of batches in that mode, so a per-step collective would hang."
                 " Move it to on_validation_epoch_end (self.log(..., on_step=False, on_epoch=True) is fine), or use"
                 " eval_mode='pad'."
@@ -566,7 +557,7 @@ class CustomDDP(DDPStrategy):
         """
         self._refuse_collective_inside_exact_evaluation("reduce")
         if isinstance(tensor, torch.Tensor) and _is_mean(reduce_op) and not tensor.is_floating_point():
-            tensor = tensor.to(torch.get_default_dtype())
+            tensor = tensor.to(torch.float64)  # exact for counts up to 2**53
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

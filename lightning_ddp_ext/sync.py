@@ -63,12 +63,15 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
         TypeError: If a rank passes no dict, a sparse tensor or a value that cannot be pickled; raised on
             every rank, naming the rank.
     """
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    too_small = f"world_size must be at least 1, got {world_size}"
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if world_size is not None and world_size < 1:
+            raise ValueError(too_small)
         return d
     ranks = dist.get_world_size(group)
-    mismatch = f"world_size={world_size} but the process group has {ranks} ranks"
+    mismatch = too_small if world_size is not None and world_size < 1 else (
+        f"world_size={world_size} but the process group has {ranks} ranks"
+    )
     if ranks == 1:
         if world_size not in (None, 1):
             raise ValueError(mismatch)
@@ -433,7 +436,10 @@ def _listing(items: List[str]) -> str:
 
 
 def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
-    index = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices))
+    try:
+        index = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices))
+    except RuntimeError as error:  # torch's "Could not infer dtype": a None or an object among them
+        raise TypeError(f"indices must be integers: {error}") from None
     if index.numel() == 0:
         index = index.to(torch.int64)  # an empty list has no integer dtype to infer
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:

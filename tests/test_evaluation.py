@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 import pytest
@@ -11,24 +11,29 @@ import torch
 from scenarios import IndexDataset, LengthBuckets, trainer_kwargs
 from torch.utils.data import DataLoader
 
+import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP
 
 SIZE = 45  # odd, so 2 ranks need padding in "pad" mode and get uneven shares in "exact" mode
 
 
 class Embedder(pl.LightningModule):
-    def __init__(self, out_dir: str, log_every_step: bool = False) -> None:
+    def __init__(self, out_dir: str, log_per_batch_in: Optional[str] = None) -> None:
         super().__init__()
         self.net = torch.nn.Linear(1, 3)
-        self.out_dir, self.log_every_step = out_dir, log_every_step
+        self.out_dir, self.log_per_batch_in = out_dir, log_per_batch_in  # "step", "batch_end" or None
         self.outputs: List[List[torch.Tensor]] = [[], [], []]  # one list per loader of loaders()
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, _ = batch
         embedding = self.net(x)
         self.outputs[dataloader_idx].append(embedding)
-        if self.log_every_step:
+        if self.log_per_batch_in == "step":
             self.log("norm", embedding.norm(), on_step=True, sync_dist=True)
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.log_per_batch_in == "batch_end":  # a per-batch hook: runs a different number of times per rank too
+            self.log("norm_at_end", torch.tensor(1.0), on_step=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         strategy = self.trainer.strategy
@@ -79,10 +84,17 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
             assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
 
 
-def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Path) -> None:
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
-    with pytest.raises(Exception, match="eval_mode='exact'.*per-step collective would hang"):
-        trainer.validate(Embedder(str(tmp_path), log_every_step=True), loaders()[0])
+@pytest.mark.parametrize(
+    "strategy_class,where",
+    [("CustomDDP", "step"), ("CustomDDP", "batch_end"), ("CustomDDPSharded", "step")],  # the sharded step is its own
+)
+def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Path, strategy_class: str, where: str) -> None:
+    if strategy_class == "CustomDDPSharded":
+        pytest.importorskip("fairscale")
+    strategy = getattr(lightning_ddp_ext, strategy_class)(start_method="spawn", eval_mode="exact")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
+    with pytest.raises(Exception, match="inside a validation/test batch.*per-step collective would hang"):
+        trainer.validate(Embedder(str(tmp_path), log_per_batch_in=where), loaders()[0])
 
 
 def test_eval_mode_and_shuffle_window_are_validated_at_construction() -> None:

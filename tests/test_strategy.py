@@ -250,6 +250,14 @@ class SamplerKwargsDDP(CustomDDP):
         return {**super().distributed_sampler_kwargs, "shuffle": True, "drop_last": True, "seed": 7}
 
 
+def test_sampler_kwargs_that_lightning_cannot_take_are_refused_before_predict(tmp_path: Path) -> None:
+    """Lightning shards predict loaders with this dict as torch's sampler arguments: a clear error, not its
+    "got multiple values for argument 'shuffle'" from inside every rank."""
+    trainer = pl.Trainer(strategy=SamplerKwargsDDP(start_method="spawn"), **trainer_kwargs())
+    with pytest.raises(Exception, match=r"returned \['shuffle'\] during predict.*trainer.predicting"):
+        trainer.predict(Predictor(str(tmp_path)), DataLoader(IndexDataset(), batch_size=8), return_predictions=False)
+
+
 def test_distributed_sampler_kwargs_override_merges_with_the_options() -> None:
     strategy = SamplerKwargsDDP(parallel_devices=[torch.device("cpu")] * 2, pad_to_world_size=True, seed=1)
     training = strategy.sharding_options(training=True)

@@ -244,6 +244,8 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "sparse": lambda: sync_dicts({"t": torch.eye(2).to_sparse() if bad else torch.eye(2)}),
         "unpicklable": lambda: sync_dicts({"f": (lambda: 0) if bad else 1}),
         "world_size": lambda: sync_dicts({"a": 1}, world_size=world_size + 1 if bad else world_size),
+        "none_index": lambda: gather_in_order(torch.zeros(2, 1), [0, None] if bad else [2, 3]),  # type: ignore[list-item]
+        "zero_world_size": lambda: sync_dicts({"a": 1}, world_size=0 if bad else world_size),
     }
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
@@ -450,6 +452,8 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("sparse", "TypeError", ["dense", "sparse", "'t'"]),
         ("unpicklable", "TypeError", ["pickle", "'f'"]),
         ("world_size", "ValueError", ["world_size=3"]),
+        ("none_index", "TypeError", ["indices must be integers", "NoneType"]),
+        ("zero_world_size", "ValueError", ["world_size must be at least 1, got 0"]),
     ],
 )
 def test_one_ranks_bad_call_raises_on_every_rank(
