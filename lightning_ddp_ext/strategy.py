@@ -39,6 +39,8 @@ _Wrapper = Union[DistributedBatchSamplerWrapper, DistributedSamplerWrapper]
 _WRAPPER_TYPES = (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)
 #: Keys a ``distributed_sampler_kwargs`` override may return (``drop_last`` is read as ``pad=not drop_last``).
 _SAMPLER_KWARGS = ("num_replicas", "rank", "shuffle", "shuffle_window", "seed", "pad", "drop_last")
+#: The keys of those that Lightning's predict sharding can pass on to torch's samplers.
+_PREDICT_SAMPLER_KWARGS = ("num_replicas", "rank", "seed", "drop_last")
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -228,10 +230,15 @@ class CustomDDP(DDPStrategy):
         with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
             super().setup(trainer)
 
+    @property
+    def _attached_trainer(self) -> Optional[Trainer]:
+        """The Trainer that runs this strategy's LightningModule, or None before one is attached."""
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
     def _refuse_sampler_kwargs_lightning_cannot_take(self) -> None:
         """Raise, in every rank before any loader is set up, when an overridden ``distributed_sampler_kwargs``
         returns keys that Lightning's predict sharding passes on to torch's samplers, which do not take them."""
-        extra = sorted(set(self.distributed_sampler_kwargs) - {"num_replicas", "rank", "seed", "drop_last"})
+        extra = sorted(set(self.distributed_sampler_kwargs) - set(_PREDICT_SAMPLER_KWARGS))
         if extra:
             raise TypeError(
                 f"{type(self).__name__}.distributed_sampler_kwargs returned {extra} during predict. Lightning shards"
@@ -359,7 +366,7 @@ class CustomDDP(DDPStrategy):
         iterated or its length is read; the loop's ``set_epoch`` calls reach our wrapper through
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._attached_trainer
         if trainer is None or not self._replace_samplers:
             return dataloader
         stage = trainer.state.stage
@@ -442,14 +449,15 @@ class CustomDDP(DDPStrategy):
             " shard it yourself (read torch.distributed.get_rank() in its __iter__)."
         )
 
-    def _verify(self, trainer: Trainer, stage: RunningStage, include_epoch_digest: bool) -> None:
+    def _verify(self, stage: RunningStage, include_epoch_digest: bool) -> None:
         """One collective comparing the digests of the wrappers of the loaders ``stage`` runs now.
 
         The same list on every rank: the trainer's current loaders, in loader order. Wrappers of loaders
         that a reload replaced since the last check contribute their last epoch's digest once more, then are
         dropped, so reloading every epoch neither piles wrappers up nor leaves an epoch unchecked.
         """
-        if not self._replace_samplers:
+        trainer = self._attached_trainer
+        if trainer is None or not self._replace_samplers:
             return
         key = "train" if stage == RunningStage.TRAINING else "eval"
         current = [w for w in map(_wrapper_of, _compat.current_loaders(trainer, stage)) if w is not None]
@@ -469,29 +477,27 @@ class CustomDDP(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Once per epoch, at its first step and so before its first optimizer step: the sequence every rank
         # read so far (the first window of this epoch, the whole previous epoch) must agree.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._attached_trainer
         if self.check_sampler_consistency and trainer is not None and trainer.current_epoch != self._verified_train_epoch:
             self._verified_train_epoch = trainer.current_epoch
-            self._verify(trainer, RunningStage.TRAINING, include_epoch_digest=True)
+            self._verify(RunningStage.TRAINING, include_epoch_digest=True)
         return super().training_step(*args, **kwargs)
 
     @override
     def on_validation_end(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.check_sampler_consistency and trainer is not None:
-            self._verify(trainer, RunningStage.VALIDATING, include_epoch_digest=False)
+        if self.check_sampler_consistency:
+            self._verify(RunningStage.VALIDATING, include_epoch_digest=False)
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.check_sampler_consistency and trainer is not None:
-            self._verify(trainer, RunningStage.TESTING, include_epoch_digest=False)
+        if self.check_sampler_consistency:
+            self._verify(RunningStage.TESTING, include_epoch_digest=False)
         super().on_test_end()
 
     # ------------------------------------------------------------------ evaluation
     def _evaluation_loader(self, dataloader_idx: int) -> DataLoader:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._attached_trainer
         if trainer is None or not (trainer.validating or trainer.testing or trainer.sanity_checking):
             raise RuntimeError("evaluated_indices()/gather_in_order() work during validation or test only.")
         loaders = _compat.current_loaders(trainer, RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING)
@@ -536,7 +542,7 @@ class CustomDDP(DDPStrategy):
         return gather_in_order(values[:count], indices[:count])
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._attached_trainer
         if self.eval_mode == "exact" and trainer is not None and _compat.inside_evaluation_batch(trainer):
             raise RuntimeError(
                 f"{name}() was called inside a validation/test batch (its step or its batch hooks) with"
