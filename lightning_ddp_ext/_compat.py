@@ -15,7 +15,7 @@ from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
@@ -109,8 +109,13 @@ def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:
 
     The evaluation loop counts a batch "ready" before its start hooks and "completed" after its end hooks (the
     same in Lightning 2.2 and 2.6), so the two differ exactly while a batch runs. Epoch hooks and Lightning's
-    own barrier when it reloads loaders run outside any batch.
+    own barrier when it reloads loaders run outside any batch. A batch that raised is never completed: once
+    the trainer is no longer running (Lightning's exception handling, a checkpoint saved by
+    ``OnExceptionCheckpoint``) no batch counts as running. The counts also stay unequal until the loop's next
+    reset, so callers only ask between the evaluation's start and end hooks.
     """
+    if trainer.state.status != TrainerStatus.RUNNING:
+        return False
     if trainer.testing:
         stage = RunningStage.TESTING
     elif trainer.validating or trainer.sanity_checking:

@@ -164,6 +164,7 @@ class CustomDDP(DDPStrategy):
         self.seed = seed
         self._replace_samplers = True
         self._said_no_replacement = False
+        self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
@@ -218,7 +219,8 @@ class CustomDDP(DDPStrategy):
         predicting = trainer.state.fn == TrainerFn.PREDICTING
         self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
         if predicting and self._replace_samplers:
-            self._refuse_sampler_kwargs_lightning_cannot_take()
+            self._warn_of_sampler_kwargs_lightning_cannot_take()
+        self._evaluating = False
         self._watched = {}
         self._verified_train_epoch = None
         if not self._replace_samplers and not self._said_no_replacement:
@@ -235,16 +237,22 @@ class CustomDDP(DDPStrategy):
         """The Trainer that runs this strategy's LightningModule, or None before one is attached."""
         return self.lightning_module.trainer if self.lightning_module is not None else None
 
-    def _refuse_sampler_kwargs_lightning_cannot_take(self) -> None:
-        """Raise, in every rank before any loader is set up, when an overridden ``distributed_sampler_kwargs``
-        returns keys that Lightning's predict sharding passes on to torch's samplers, which do not take them."""
+    def _warn_of_sampler_kwargs_lightning_cannot_take(self) -> None:
+        """Warn, before any predict loader is set up, when an overridden ``distributed_sampler_kwargs`` returns
+        keys that Lightning's predict sharding would pass on to torch's samplers, which do not take them.
+
+        A warning, not an error: Lightning shards only map-style loaders without a distributed sampler, so a
+        predict run over an IterableDataset never passes them on. Where it does, its own TypeError ("got
+        multiple values for argument 'shuffle'") follows, and this says why.
+        """
         extra = sorted(set(self.distributed_sampler_kwargs) - set(_PREDICT_SAMPLER_KWARGS))
         if extra:
-            raise TypeError(
+            rank_zero_warn(
                 f"{type(self).__name__}.distributed_sampler_kwargs returned {extra} during predict. Lightning shards"
                 " predict loaders itself and passes this dict to torch's DistributedSampler, which takes none of"
-                " them (and Lightning sets shuffle itself). Return them only when not predicting (check"
-                " self.lightning_module.trainer.predicting), or predict with Trainer(use_distributed_sampler=False)."
+                " them (Lightning sets shuffle itself), so sharding a predict loader will raise a TypeError. Return"
+                " them only when not predicting (check self.lightning_module.trainer.predicting), or predict with"
+                " Trainer(use_distributed_sampler=False)."
             )
 
     def _wrap_lightning_model(self) -> None:
@@ -324,8 +332,8 @@ class CustomDDP(DDPStrategy):
         ``pad=not drop_last``); they win over the constructor's options. Validation and test loaders keep what
         ``eval_mode`` needs whatever is returned here: no shuffle, and padded ("pad") or exact ("exact")
         shares. Lightning's predict loaders get this dict as torch's ``DistributedSampler`` arguments, so while
-        predicting return only ``drop_last`` and ``seed`` besides the ranks; other keys are refused then with a
-        ``TypeError``. See :meth:`sharding_options`.
+        predicting return only ``drop_last`` and ``seed`` besides the ranks (other keys get a warning then, and
+        torch's sampler rejects them). See :meth:`sharding_options`.
         """
         return dict(super().distributed_sampler_kwargs)
 
@@ -484,13 +492,25 @@ class CustomDDP(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def on_validation_start(self) -> None:
+        self._evaluating = True
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._evaluating = True
+        super().on_test_start()
+
+    @override
     def on_validation_end(self) -> None:
+        self._evaluating = False
         if self.check_sampler_consistency:
             self._verify(RunningStage.VALIDATING, include_epoch_digest=False)
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
+        self._evaluating = False
         if self.check_sampler_consistency:
             self._verify(RunningStage.TESTING, include_epoch_digest=False)
         super().on_test_end()
@@ -543,7 +563,9 @@ class CustomDDP(DDPStrategy):
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
         trainer = self._attached_trainer
-        if self.eval_mode == "exact" and trainer is not None and _compat.inside_evaluation_batch(trainer):
+        if self.eval_mode != "exact" or not self._evaluating or trainer is None:
+            return
+        if _compat.inside_evaluation_batch(trainer):
             raise RuntimeError(
                 f"{name}() was called inside a validation/test batch (its step or its batch hooks) with"
                 f" {type(self).__name__}(eval_mode='exact'):"
@@ -563,7 +585,8 @@ class CustomDDP(DDPStrategy):
         """
         self._refuse_collective_inside_exact_evaluation("reduce")
         if isinstance(tensor, torch.Tensor) and _is_mean(reduce_op) and not tensor.is_floating_point():
-            tensor = tensor.to(torch.float64)  # exact for counts up to 2**53
+            mean = super().reduce(tensor.to(torch.float64), group=group, reduce_op=reduce_op)  # exact to 2**53
+            return mean.to(torch.get_default_dtype())  # the dtype Lightning's logged values have
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
@@ -610,6 +633,7 @@ class CustomDDP(DDPStrategy):
         Lightning's popen launcher ends the other ranks when a child fails, but not when the launching rank
         does: a rank stuck outside any collective would then run on, orphaned. They are killed here instead.
         """
+        self._evaluating = False  # the evaluation, if one ran, ends here without its end hook
         killed = _compat.kill_launched_ranks(self)
         if killed:
             log.error(f"{type(self).__name__}: rank {self.global_rank} failed; ended the {killed} rank(s) it launched.")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, List, Optional
@@ -202,6 +203,27 @@ def free_env() -> dict[str, str]:
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
         env.pop(key, None)
     return env
+
+
+@contextmanager
+def single_rank_in_this_process(port: int) -> Iterator[None]:
+    """Run a one-device Trainer inside the test process, and leave no trace of it.
+
+    Lightning's launcher writes the distributed variables (``LOCAL_RANK`` among them: to a later Trainer, "the
+    processes were started for you") into ``os.environ``, and the process group would stay initialised on the
+    port; both are undone here, so later tests start their ranks as before.
+    """
+    saved = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
+        os.environ.pop(key, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_python(*args: str, timeout: float, cwd: Optional[Path] = None) -> subprocess.CompletedProcess[str]:

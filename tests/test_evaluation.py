@@ -7,7 +7,10 @@ from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 import torch
+from distributed_helpers import single_rank_in_this_process
+from reliability_common import free_port
 from scenarios import IndexDataset, LengthBuckets, trainer_kwargs
 from torch.utils.data import DataLoader
 
@@ -153,6 +156,38 @@ def test_exact_mode_sync_dist_mean_weighs_every_sample_once() -> None:
     data = IndexDataset(3)
     [metrics] = trainer.validate(MeanLogger(), DataLoader(data, batch_size=4), verbose=False)
     assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(3)) / 3)
+
+
+class FailingOnce(MeanLogger):
+    """Raises in its first validation step while ``fail`` is set."""
+
+    fail = True
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.fail:
+            raise KeyError("the user's own error")
+        super().validation_step(batch, batch_idx)
+
+
+def test_exact_mode_after_a_failed_batch_leaves_lightning_s_collectives_alone(tmp_path: Path) -> None:
+    """A batch that raised is never counted complete. Lightning's exception handling (OnExceptionCheckpoint's
+    save, with its barrier) and the next run on the same Trainer (its loader set-up barrier) must not be taken
+    for collectives inside a batch. One process: the check is the same, the run is cheap."""
+    checkpoint = OnExceptionCheckpoint(str(tmp_path))
+    data = IndexDataset(6)
+    model, loader = FailingOnce(), DataLoader(data, batch_size=4)
+    with single_rank_in_this_process(free_port()):
+        trainer = pl.Trainer(
+            strategy=CustomDDP(eval_mode="exact"),
+            **trainer_kwargs(devices=1, callbacks=[checkpoint], enable_checkpointing=True),
+        )
+        with pytest.raises(KeyError, match="the user's own error"):  # not a RuntimeError from the save's barrier
+            trainer.validate(model, loader)
+        assert Path(checkpoint.ckpt_path).exists()
+        model.fail = False
+        [metrics] = trainer.validate(model, loader, verbose=False)  # the same Trainer: its barriers are allowed
+    assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(6)) / 6)
+    assert trainer.callback_metrics["mean"].dtype == torch.float32  # the integer counts' mean is float, not float64
 
 
 def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> None:
