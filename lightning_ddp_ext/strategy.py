@@ -584,9 +584,13 @@ class CustomDDP(DDPStrategy):
         with ``eval_mode="exact"`` or batch samplers of varying batch sizes).
         """
         self._refuse_collective_inside_exact_evaluation("reduce")
-        if isinstance(tensor, torch.Tensor) and _is_mean(reduce_op) and not tensor.is_floating_point():
+        integer = isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex())
+        if integer and _is_mean(reduce_op):
             mean = super().reduce(tensor.to(torch.float64), group=group, reduce_op=reduce_op)  # exact to 2**53
-            return mean.to(torch.get_default_dtype())  # the dtype Lightning's logged values have
+            # Lightning's logged values: the default dtype, but never below float32 (half-precision plugins
+            # lower the default inside steps, where 1001 would round to 1000 in bfloat16).
+            default = torch.get_default_dtype()
+            return mean.to(default if default in (torch.float32, torch.float64) else torch.float32)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

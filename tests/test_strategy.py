@@ -7,7 +7,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed_helpers import run_python
+from distributed_helpers import run_python, single_rank_in_this_process
 from lightning.pytorch.strategies import StrategyRegistry
 from scenarios import (
     DATASET_SIZE,
@@ -22,7 +22,8 @@ from scenarios import (
     read_ranks,
     trainer_kwargs,
 )
-from torch.utils.data import DataLoader
+from reliability_common import free_port
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP, _compat
@@ -313,3 +314,32 @@ def test_reloaded_loaders_replace_the_watched_wrappers(tmp_path: Path) -> None:
     trainer.fit(Reloading(str(tmp_path)))
     for report in read_ranks(str(tmp_path), 2):
         assert report["facts"]["watched"] == [[1, 1]] * 3
+
+
+class IntegerMeanInStep(pl.LightningModule):
+    """Reduces an integer tensor to its mean inside a training step, where half-precision plugins lower the
+    default dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.means: List[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.means.append(self.trainer.strategy.reduce(torch.tensor(1001), reduce_op="mean"))
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_integer_mean_is_exact_and_at_least_float32_under_half_precision() -> None:
+    """bfloat16 would round 1001 to 1000: the mean comes back in float32 however low the default dtype is."""
+    model = IntegerMeanInStep()
+    with single_rank_in_this_process(free_port()):
+        trainer = pl.Trainer(
+            strategy=CustomDDP(), precision="bf16-true", **trainer_kwargs(devices=1, max_epochs=1, max_steps=1)
+        )
+        trainer.fit(model, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
+    [mean] = model.means
+    assert mean.dtype == torch.float32 and mean.item() == 1001
