@@ -63,23 +63,12 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
         TypeError: If a rank passes no dict, a sparse tensor or a value that cannot be pickled; raised on
             every rank, naming the rank.
     """
-    too_small = f"world_size must be at least 1, got {world_size}"
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        if world_size is not None and world_size < 1:
-            raise ValueError(too_small)
-        return d
-    ranks = dist.get_world_size(group)
-    mismatch = too_small if world_size is not None and world_size < 1 else (
-        f"world_size={world_size} but the process group has {ranks} ranks"
-    )
+    ranks, problem = _ranks_to_gather(world_size, group)
     if ranks == 1:
-        if world_size not in (None, 1):
-            raise ValueError(mismatch)
+        if problem is not None:
+            raise problem
         return d
-    problem: Optional[Exception] = None
-    if world_size is not None and world_size != ranks:
-        problem = ValueError(mismatch)
-    elif not isinstance(d, dict):
+    if problem is None and not isinstance(d, dict):
         problem = TypeError(f"sync_dicts expects a dict, got {type(d).__name__}")
     return _exchange(d, ranks, group, problem)
 
@@ -124,14 +113,30 @@ def gather_in_order(
         local: Dict[str, Any] = {"values": _per_sample(values, index.numel()), "indices": index}
     except (TypeError, ValueError) as error:
         local, problem = {}, error
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        local = _exchange(local, dist.get_world_size(group), group, problem)
+    ranks, _ = _ranks_to_gather(None, group)
+    if ranks > 1:
+        local = _exchange(local, ranks, group, problem)
     elif problem is not None:
         raise problem
     return _dedupe_in_order(local["values"], local["indices"].cpu(), dataset_size)
 
 
 # --- the exchange ----------------------------------------------------------------------------------------------
+
+
+def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[int, Optional[ValueError]]:
+    """How many ranks to gather over (1: nothing to gather), and what is wrong with ``world_size``, if anything.
+
+    ``world_size=1`` or no initialised process group means 1; a ``world_size`` other than the group's is
+    checked only where there is a group to check it against.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    ranks = 1 if world_size == 1 or not initialized else dist.get_world_size(group)
+    if world_size is not None and world_size < 1:
+        return ranks, ValueError(f"world_size must be at least 1, got {world_size}")
+    if initialized and world_size not in (None, 1, ranks):
+        return ranks, ValueError(f"world_size={world_size} but the process group has {ranks} ranks")
+    return ranks, None
 
 
 def _exchange(d: Dict[Any, Any], ranks: int, group: Optional[Any], problem: Optional[Exception]) -> Dict[Any, Any]:
