@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from lightning_ddp_ext import _store
+from lightning_ddp_ext import _store, samplers
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
@@ -372,6 +372,17 @@ def test_bad_shuffle_window_is_refused(window: Any) -> None:
     with pytest.raises(ValueError, match=expected):
         DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, shuffle=True, shuffle_window=window)
     assert len(DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, shuffle=True, shuffle_window=2**30)) == 2
+
+
+def test_whole_epoch_shuffle_longer_than_a_window_may_be_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-epoch shuffle is one window spanning the epoch, so it has the windows' limit (2**31 positions,
+    lowered here to 8): past it every rank raises before reading, and the message names the streaming way out."""
+    monkeypatch.setattr(samplers, "_MAX_WINDOW", 8)
+    for rank in range(2):
+        with pytest.raises(ValueError, match=r"at most 8 positions, and list yields 9 item.*Pass shuffle_window=K"):
+            next(iter(DistributedBatchSamplerWrapper([[i] for i in range(9)], 2, rank, shuffle=True)))
+    shares = [list(DistributedBatchSamplerWrapper([[i] for i in range(8)], 2, rank, shuffle=True)) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == [[i] for i in range(8)]
 
 
 def test_empty_sampler() -> None:
