@@ -112,22 +112,35 @@ typedef struct {
     Py_ssize_t expected;
 } StoreObject;
 
-/* Room for extra more values: as many as the items so far project for the expected items, else 1/8 more. */
+/* A reservation grows the values to at most this many times what they need: the first items project the
+ * epoch's size, but a sampler whose first batches are its longest (sorted by length) would project many times
+ * the memory it needs, and an address-space limit (RLIMIT_AS) or the kernel's overcommit check refuses that. */
+#define MAX_PROJECTED_GROWTH 16
+/* ... or by this many values, if more: reserving ahead up to 64 MiB (of int32) costs only address space, and
+ * saves a copy of the array at each growth below glibc's mmap threshold (a few percent of a 1e6-batch epoch). */
+#define PROJECTION_ALLOWANCE ((Py_ssize_t)1 << 24)
+
+/* Room for extra more values: as many as the items so far project for the expected items (at most
+ * MAX_PROJECTED_GROWTH times what is needed now, or PROJECTION_ALLOWANCE more), else 1/8 more. */
 static int
 store_reserve(StoreObject *self, Py_ssize_t extra)
 {
     if (extra <= self->capacity - self->size) {
         return 0;
     }
-    if (extra > PY_SSIZE_T_MAX / 32 - self->size) {
+    if (extra > PY_SSIZE_T_MAX / 32 / MAX_PROJECTED_GROWTH - self->size) {
         PyErr_NoMemory();
         return -1;
     }
     Py_ssize_t needed = self->size + extra, capacity = needed + needed / 8;
     if (self->items > 0 && self->items < self->expected) {
         double projected = (double)needed / (double)(self->items + 1) * (double)self->expected;
-        if (projected > (double)capacity && projected < (double)(PY_SSIZE_T_MAX / 32)) {
-            capacity = (Py_ssize_t)projected;
+        double most = (double)needed * MAX_PROJECTED_GROWTH;
+        if (most < (double)(needed + PROJECTION_ALLOWANCE)) {
+            most = (double)(needed + PROJECTION_ALLOWANCE);
+        }
+        if (projected > (double)capacity) {
+            capacity = (Py_ssize_t)(projected < most ? projected : most);
         }
     }
     /* Large blocks come from mmap, where growing remaps pages instead of copying them. */
@@ -215,8 +228,11 @@ store_converted(StoreObject *self, PyObject *item)
     if (converted == NULL) {
         return -1;
     }
-    if (!PyBytes_Check(converted) || PyBytes_GET_SIZE(converted) % 8 != 0) {
-        PyErr_SetString(PyExc_TypeError, "convert must return the item's indices as int64 bytes");
+    /* A single index is one value: lists() reads the values of an unbatched store by item number. */
+    if (!PyBytes_Check(converted) || PyBytes_GET_SIZE(converted) % 8 != 0
+        || (!self->batched && PyBytes_GET_SIZE(converted) != 8)) {
+        PyErr_SetString(PyExc_TypeError, "convert must return the item's indices as int64 bytes (8 bytes for an"
+                        " unbatched store)");
         Py_DECREF(converted);
         return -1;
     }
@@ -263,7 +279,13 @@ store_item(StoreObject *self, PyObject *item)
     }
     if (self->batched) {
         if (self->items + 1 == self->ends_capacity) {
-            Py_ssize_t capacity = self->items < self->expected ? self->expected + 1 : self->items + self->items / 2 + 2;
+            /* Up to the expected items in one go, but like the values at most MAX_PROJECTED_GROWTH times as
+             * many as are stored: expected is a hint, and a wrong one must not reserve (or overflow) anything. */
+            Py_ssize_t capacity = self->items + self->items / 2 + 2;
+            if (self->items < self->expected) {
+                Py_ssize_t most = MAX_PROJECTED_GROWTH * (self->items + 2);
+                capacity = self->expected < most ? self->expected + 1 : most;
+            }
             long long *ends = PyMem_Realloc(self->ends, (size_t)capacity * sizeof(long long));
             if (ends == NULL) {
                 PyErr_NoMemory();
@@ -496,6 +518,7 @@ typedef struct {
     Py_ssize_t next_sample;  /* the next entry of sample_windows */
     Py_ssize_t available, next_yield, position; /* held[next_yield .. available) are yet to be yielded */
     int done;
+    int reading;             /* set while a window is read: a next() from inside (the source, on_sample) is refused */
 } WindowDealerObject;
 
 /* SplitMix64's output function: a bijective mix of a 64-bit counter into well-spread bits. */
@@ -698,9 +721,17 @@ window_dealer_read(WindowDealerObject *self)
 static PyObject *
 window_dealer_next(WindowDealerObject *self)
 {
+    if (self->reading) {
+        PyErr_SetString(PyExc_RuntimeError, "WindowDealer is reading a window: next() from its source or on_sample"
+                        " is not allowed");
+        return NULL;
+    }
     if (self->next_yield == self->available) {
         window_dealer_release(self);
-        if (self->done || window_dealer_read(self) <= 0) {
+        self->reading = 1;
+        int read = self->done ? 0 : window_dealer_read(self);
+        self->reading = 0;
+        if (read <= 0) {
             self->done = 1; /* stays exhausted, also after an error */
             return NULL;
         }

@@ -394,6 +394,9 @@ def test_the_c_store_checks_its_arguments() -> None:
         store.read(iter([[1.5]]), bytes([STORE]))
     with pytest.raises(TypeError, match="convert must return the item's indices as int64 bytes"):
         compact.Store(False, lambda item: b"abc").read(iter([1.5]), bytes([STORE]))
+    for wrong in (bytes(16), b""):  # a single index is exactly one value: more or none would misalign the rest
+        with pytest.raises(TypeError, match=r"8 bytes for an unbatched store"):
+            compact.Store(False, lambda item, wrong=wrong: wrong).read(iter([1.5]), bytes([STORE]))
     with pytest.raises(TypeError, match="convert must be callable"):
         compact.Store(True, None)
     assert len(store) == 2  # failed reads stored nothing
@@ -414,3 +417,53 @@ def test_the_c_store_holds_any_number_of_items_whatever_it_expected(expected: in
     singles = compact.Store(False, bytes, expected)
     singles.read(iter(range(-5, 1000)), bytes([STORE]) * 1005)
     assert singles.lists(np.array([1004, 0])) == [999, -5]
+
+
+@pytest.mark.parametrize("expected", [2**61, 2**63 - 1, 10**12])
+def test_the_c_store_takes_expected_as_a_hint_even_when_absurd(expected: int) -> None:
+    """expected sizes the arrays only up to a bounded multiple of what is stored: a huge value neither overflows
+    the size of the batch ends (it corrupted the heap) nor reserves memory the machine refuses."""
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    store = compact.Store(True, bytes, expected)
+    batches = [[i, i + 1] for i in range(100)]
+    store.read(iter(batches), bytes([STORE]) * 100)
+    assert store.lists(np.arange(100)) == batches
+
+
+def test_longest_batches_first_do_not_make_the_c_store_reserve_for_the_epoch_at_their_size() -> None:
+    """A token-budget sampler sorted by length yields its longest batches first; the C store's projection from
+    them (here 50,000 indices a batch for 200,020 batches: 40 GB) is capped, so the epoch (1.2 million indices)
+    is stored in a bounded multiple of its size (it raised MemoryError, or took gigabytes of address space)."""
+    import tracemalloc
+
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    long_first = [list(range(50_000))] * 20 + [[i] for i in range(200_000)]
+    tracemalloc.start()
+    try:
+        wrapper = DistributedBatchSamplerWrapper(long_first, 2, 0, shuffle=True)
+        first = next(iter(wrapper))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert first in long_first
+    assert peak < 150e6, f"storing ~0.6 million indices (2.4 MB) peaked at {peak / 1e6:.0f} MB"
+
+
+def test_the_window_dealer_refuses_next_from_inside_its_own_read() -> None:
+    """A source or on_sample that calls next() on the dealer while it reads a window would clear what the read
+    holds (an out-of-bounds read after it): it is refused."""
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    dealer: Any = None
+
+    def reenter(item: Any) -> None:
+        next(dealer)
+
+    dealer = compact.WindowDealer(iter(range(12)), 3, 4, 2, 0, 0, 3, np.arange(3), reenter)
+    with pytest.raises(RuntimeError, match="WindowDealer is reading a window"):
+        next(dealer)
+    assert list(dealer) == []  # exhausted after the error, as after any other
