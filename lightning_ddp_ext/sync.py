@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ _GLOO_CHUNK_BYTES = 8 << 20  # CPU buffers travel in chunks of this size, severa
 
 _Path = Tuple[Any, ...]  # the keys leading from the top-level dict to a value
 _Meta = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
+# Raises if the ranks' schemas cannot be merged: (kinds, metas, slots) per rank, as _check_schemas takes them.
+_Check = Callable[[List[Dict[_Path, str]], List[List[_Meta]], List[Dict[_Path, int]]], None]
+_INDEX_RULE = "indices must be a 1-D integer tensor or sequence of ints, one per sample (row) of values"
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,17 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
     Raises:
         ValueError: If ranks disagree on keys, on the kind of value under a key, or on the trailing shape or
             dtype of a tensor that is to be concatenated, or ``world_size`` is wrong; raised on every rank.
-        TypeError: If a rank passes no dict, a sparse tensor or a value that cannot be pickled; raised on
-            every rank, naming the rank.
+        TypeError: If a rank passes no dict (also without a process group), a sparse tensor or a value that
+            cannot be pickled; raised on every rank, naming the rank.
     """
     ranks, problem = _ranks_to_gather(world_size, group)
+    if problem is None and not isinstance(d, dict):  # also without a group, so the mistake shows on one process
+        problem = TypeError(f"sync_dicts expects a dict, got {type(d).__name__}; wrap it in one: {{'name': value}}")
     if ranks == 1:
         if problem is not None:
             raise problem
         return d
-    if problem is None and not isinstance(d, dict):
-        problem = TypeError(f"sync_dicts expects a dict, got {type(d).__name__}")
-    return _exchange(d, ranks, group, problem)
+    return _exchange(d, ranks, group, problem, _check_schemas, caller="sync_dicts")
 
 
 def gather_in_order(
@@ -103,9 +106,11 @@ def gather_in_order(
         process group only the local values are ordered and checked.
 
     Raises:
-        ValueError: If ``values`` and ``indices`` differ in length, indices are not 1-D integers, one index
-            carries two different values, or, with ``dataset_size``, an index is missing or out of range. Raised
-            on every rank, naming the rank when only some ranks passed bad input.
+        ValueError: If ``values`` and ``indices`` differ in length, indices are not 1-D integers (per-batch
+            lists included), ranks pass values of different kinds, trailing shapes or dtypes, one index
+            carries two different values, or, with ``dataset_size``, an index is missing or out of range.
+        TypeError: If ``values`` is no sequence, an index is no number, or a value cannot be sent.
+        Either is raised on every rank, naming the rank when only some ranks passed bad input.
     """
     problem: Optional[Exception] = None
     try:
@@ -115,7 +120,7 @@ def gather_in_order(
         local, problem = {}, error
     ranks, _ = _ranks_to_gather(None, group)
     if ranks > 1:
-        local = _exchange(local, ranks, group, problem)
+        local = _exchange(local, ranks, group, problem, _check_gathered, caller="gather_in_order")
     elif problem is not None:
         raise problem
     return _dedupe_in_order(local["values"], local["indices"].cpu(), dataset_size)
@@ -139,12 +144,21 @@ def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[i
     return ranks, None
 
 
-def _exchange(d: Dict[Any, Any], ranks: int, group: Optional[Any], problem: Optional[Exception]) -> Dict[Any, Any]:
+def _exchange(
+    d: Dict[Any, Any],
+    ranks: int,
+    group: Optional[Any],
+    problem: Optional[Exception],
+    check: _Check,
+    caller: str,
+) -> Dict[Any, Any]:
     """The merge of :func:`sync_dicts` over ``ranks`` > 1 ranks; ``problem``: why this rank cannot take part.
 
     The first exchange carries each rank's problem along with its schema, so one rank's bad input makes every
     rank raise instead of leaving the others waiting in the next collective. Everything this rank sends as an
-    object is pickled here first, so a value that cannot be pickled is such a problem too.
+    object is pickled here first, so a value that cannot be pickled is such a problem too. ``check`` rejects
+    schemas that cannot be merged and ``caller`` names the public function in errors, so that each reports
+    in the terms of its own arguments.
     """
     leaves: Dict[_Path, Any] = {}
     tensors: List[torch.Tensor] = []
@@ -153,7 +167,7 @@ def _exchange(d: Dict[Any, Any], ranks: int, group: Optional[Any], problem: Opti
         try:
             leaves = _flatten(d)
             tensors = [v for v in leaves.values() if isinstance(v, torch.Tensor)]  # tensor leaves first
-            header, skeletons = _pickle_schema(leaves, tensors)  # appends the tensors inside other values
+            header, skeletons = _pickle_schema(leaves, tensors, caller)  # appends the tensors inside other values
         except TypeError as error:
             problem = error
     report = None if problem is None else (TypeError if isinstance(problem, TypeError) else ValueError, str(problem))
@@ -164,7 +178,7 @@ def _exchange(d: Dict[Any, Any], ranks: int, group: Optional[Any], problem: Opti
     schemas: List[Tuple[Dict[_Path, str], List[_Meta]]] = [pickle.loads(h) for _, h, _ in sent]
     slots = [{p: k for k, p in enumerate(p for p, kind in kinds.items() if kind == "tensor")} for kinds, _ in schemas]
     metas = [m for _, m in schemas]
-    _check_schemas([k for k, _ in schemas], metas, slots)
+    check([k for k, _ in schemas], metas, slots)
     comm_device = _comm_device(group)
     per_rank_tensors = _all_gather_tensors(tensors, metas, comm_device, group)
 
@@ -182,17 +196,17 @@ def _exchange(d: Dict[Any, Any], ranks: int, group: Optional[Any], problem: Opti
     return merged
 
 
-def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor]) -> Tuple[bytes, bytes]:
+def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor], caller: str) -> Tuple[bytes, bytes]:
     """This rank's schema (kinds and tensor metadata) and its non-tensor values with slots for their tensors.
 
-    Appends the tensors inside non-tensor values to ``tensors``. Raises TypeError, naming the key, for a sparse
-    tensor or a value that cannot be pickled.
+    Appends the tensors inside non-tensor values to ``tensors``. Raises TypeError, naming ``caller`` and the key,
+    for a sparse tensor or a value that cannot be pickled.
     """
     skeletons = {p: _extract(v, tensors) for p, v in leaves.items() if not isinstance(v, torch.Tensor)}
     for path, value in leaves.items():
         layouts = {t.layout for t in _tensors_in(value)} - {torch.strided}
         if layouts:
-            raise TypeError(f"sync_dicts can only send dense tensors, got {sorted(map(str, layouts))} in {_name(path)}")
+            raise TypeError(f"{caller} can only send dense tensors, got {sorted(map(str, layouts))} in {_name(path)}")
     kinds = {p: _kind(v) for p, v in leaves.items()}
     metas: List[_Meta] = [(tuple(t.shape), t.dtype) for t in tensors]
     try:
@@ -200,7 +214,7 @@ def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor]) -> Tup
     except Exception as error:  # pickle raises several types, depending on the value
         bad = [_name(p) for p in leaves if not _picklable((p, skeletons.get(p)))]
         where = f" under {_listing(bad)}" if bad else ""
-        raise TypeError(f"sync_dicts cannot pickle the value{where}: {error}") from error
+        raise TypeError(f"{caller} cannot pickle the value{where}: {error}") from error
 
 
 def _picklable(obj: Any) -> bool:
@@ -424,6 +438,34 @@ def _check_schemas(kinds: List[Dict[_Path, str]], metas: List[List[_Meta]], slot
             raise ValueError(f"sync_dicts: tensors under {_name(path)} have dtypes {_by_rank(dtypes)}")
 
 
+def _check_gathered(kinds: List[Dict[_Path, str]], metas: List[List[_Meta]], slots: List[Dict[_Path, int]]) -> None:
+    """:func:`_check_schemas` for :func:`gather_in_order`, in the words of its arguments.
+
+    Its ``indices`` are 1-D int64 on every rank by then, so only ``values`` can differ: in kind, or as tensors
+    in trailing shape or dtype. A rank without samples that passes ``torch.empty(0)`` or ``[]`` is the usual
+    cause, so the error spells out the empty tensor that rank should pass where the others agree on one.
+    """
+    path = ("values",)
+    found = [k[path] for k in kinds]
+    tensor_metas = [m[s[path]] for m, s, kind in zip(metas, slots, found) if kind == "tensor"]
+    rows = {(shape[1:], dtype) for shape, dtype in tensor_metas if shape and shape[0] > 0}
+    hint = ""
+    if len(rows) == 1:  # the ranks with samples agree on what one sample is
+        trailing, dtype = next(iter(rows))
+        hint = f"; a rank without samples passes torch.empty({(0, *trailing)}, dtype={dtype})"
+    if len(set(found)) > 1:
+        raise ValueError(
+            f"gather_in_order: values is {_by_rank([f'a {kind}' for kind in found])}; every rank must pass the same "
+            f"kind, a tensor whose first dim runs over samples or a list of per-sample objects{hint}"
+        )
+    if found[0] == "tensor" and len({(shape[1:], dtype) for shape, dtype in tensor_metas}) > 1:
+        raise ValueError(
+            f"gather_in_order: values has shape and dtype {_by_rank([f'{s} {d}' for s, d in tensor_metas])}; "
+            f"ranks may differ only in dim 0 (the number of samples){hint}"
+        )
+    _check_schemas(kinds, metas, slots)
+
+
 def _name(path: _Path) -> str:
     return repr(".".join(str(key) for key in path))
 
@@ -441,26 +483,78 @@ def _listing(items: List[str]) -> str:
 
 
 def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
-    try:
-        index = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices))
-    except RuntimeError as error:  # torch's "Could not infer dtype": a None or an object among them
-        raise TypeError(f"indices must be integers: {error}") from None
+    """``indices`` as a 1-D int64 CPU tensor, or an error in :func:`gather_in_order`'s words saying what to pass.
+
+    TypeError for something that holds no numbers, ValueError for numbers of the wrong dtype or shape: per-batch
+    index tensors, as a prediction loop collects them, are named as such since ``torch.cat`` is the fix.
+    """
+    if isinstance(indices, torch.Tensor):
+        index = indices
+    else:
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+            raise TypeError(f"gather_in_order: {_INDEX_RULE}; got {type(indices).__name__}")
+        items = list(indices)
+        batches = sum(_is_batch(item) for item in items)
+        if batches:
+            raise ValueError(
+                f"gather_in_order: indices holds {batches} batches of indices, not one index per sample; "
+                "torch.cat your per-batch indices (and values) along dim 0 before calling gather_in_order"
+            )
+        try:
+            index = torch.as_tensor(items)
+        except (TypeError, ValueError, RuntimeError):  # torch's words for a None, a str or another object
+            position, bad = next(((i, x) for i, x in enumerate(items) if not _is_number(x)), (0, items[0]))
+            got = f"{type(bad).__name__} at position {position}"
+            raise TypeError(f"gather_in_order: {_INDEX_RULE}; got {got}") from None
     if index.numel() == 0:
         index = index.to(torch.int64)  # an empty list has no integer dtype to infer
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise ValueError(f"indices must be integers, got dtype {index.dtype}")
+        raise ValueError(f"gather_in_order: {_INDEX_RULE}; got dtype {index.dtype}")
     if index.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(index.shape)}")
+        raise ValueError(
+            f"gather_in_order: {_INDEX_RULE}; got shape {tuple(index.shape)}: torch.cat per-batch indices along "
+            "dim 0, or flatten them"
+        )
     return index.to("cpu", torch.int64)
 
 
+def _is_batch(item: Any) -> bool:
+    """Whether ``item``, found among indices, holds several of them (a batch's), so cannot be one index."""
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return item.ndim > 0 and math.prod(item.shape) > 1
+    return isinstance(item, (list, tuple)) and len(item) > 1
+
+
+def _is_number(item: Any) -> bool:
+    return isinstance(item, (int, float, np.number)) or (isinstance(item, torch.Tensor) and item.numel() == 1)
+
+
 def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union[torch.Tensor, List[Any]]:
-    """``values`` as a tensor or list of ``count`` samples; ValueError if that is not what they are."""
+    """``values`` as a tensor or list of ``count`` samples, or an error saying what to pass instead.
+
+    A list of tensors whose rows add up to ``count`` is per-batch outputs, as a prediction loop collects them;
+    the error says so, since ``torch.cat`` is the fix.
+    """
     if isinstance(values, torch.Tensor) and values.dim() == 0:
-        raise ValueError("gather_in_order needs values with a sample dimension, got a 0-dim tensor")
+        raise ValueError(
+            "gather_in_order needs values with a sample dimension, got a 0-dim tensor; for one sample pass "
+            "values.reshape(1)"
+        )
+    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes)):
+        raise TypeError(
+            "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
+            f"per-sample objects, got {type(values).__name__}"
+        )
     samples = values if isinstance(values, torch.Tensor) else list(values)
     if len(samples) != count:
-        raise ValueError(f"gather_in_order got {len(samples)} values but {count} indices")
+        batches = [v for v in samples if isinstance(v, torch.Tensor) and v.dim() > 0]
+        per_batch = len(batches) == len(samples) > 0 and sum(len(v) for v in batches) == count
+        hint = (
+            "; values looks like per-batch outputs: torch.cat them along dim 0 before calling gather_in_order"
+            if per_batch
+            else "; pass one index per sample (row) of values"
+        )
+        raise ValueError(f"gather_in_order got {len(samples)} values but {count} indices{hint}")
     return samples
 
 

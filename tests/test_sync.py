@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_ddp_ext import sync
 from lightning_ddp_ext.sync import gather_in_order, sync_dicts
 
+NOT_A_DICT = "sync_dicts expects a dict, got list; wrap it in one: {'name': value}"
 ROWS = (3, 0, 5)  # first-dim size per rank: uneven, and rank 1 has none
 DATASET = 7  # not a multiple of 2 or 3, so a distributed sampler has to pad with repeats
 
@@ -212,6 +213,14 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "conflict_objects": _error_of(lambda: gather_in_order([(i, rank) for i in index.tolist()], index)),
         "conflict_small": _error_of(lambda: gather_in_order((_value_of(index).float() + 1) * (1 + 1e-3 * rank), index)),
     }
+    # A rank without samples passing an empty tensor or list that does not match the others' outputs.
+    first = rank == 0
+    own_index = index[:0] if first else index
+    results["order_errors"].update(
+        empty_rank=_error_of(lambda: gather_in_order(torch.empty(0) if first else _value_of(index), own_index)),
+        empty_list=_error_of(lambda: gather_in_order([] if first else _value_of(index), own_index)),
+        dtype=_error_of(lambda: gather_in_order(_value_of(index).to(torch.float32 if first else torch.float64), index)),
+    )
 
     # Repeats that differ by rounding only, or are NaN on every rank, are the same sample.
     results["order_one_ulp"] = _attempt(lambda: gather_in_order(_one_ulp_up_on_odd_ranks(index, rank), index, DATASET))
@@ -246,6 +255,15 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "world_size": lambda: sync_dicts({"a": 1}, world_size=world_size + 1 if bad else world_size),
         "none_index": lambda: gather_in_order(torch.zeros(2, 1), [0, None] if bad else [2, 3]),  # type: ignore[list-item]
         "zero_world_size": lambda: sync_dicts({"a": 1}, world_size=0 if bad else world_size),
+        "per_batch_indices": lambda: gather_in_order(
+            [torch.zeros(2, 3)] * 2 if bad else torch.zeros(2, 3),
+            [torch.arange(2), torch.arange(2, 4)] if bad else [4, 5],
+        ),
+        "per_batch_values": lambda: gather_in_order(
+            [torch.zeros(2, 3)] * 2 if bad else torch.zeros(4, 3), torch.arange(4) + 4 * rank
+        ),
+        "str_indices": lambda: gather_in_order(torch.zeros(2), ["a", "b"] if bad else [2, 3]),
+        "unpicklable_values": lambda: gather_in_order([(lambda: 0) if bad else 1], [rank]),
     }
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
@@ -377,9 +395,13 @@ def test_gather_in_order_drops_padding_and_sorts(per_rank: List[Dict[str, Any]])
         ("conflict_tensor", ["different values"]),
         ("conflict_objects", ["different values"]),
         ("conflict_small", ["different values"]),
+        ("empty_rank", ["values has shape", "(0,) torch.float32 on rank 0", "dim 0", "torch.empty((0, 2), dtype="]),
+        ("empty_list", ["values is a list on rank 0, a tensor on rank 1", "torch.empty((0, 2), dtype=torch.float64)"]),
+        ("dtype", ["values has shape", "torch.float32 on rank 0", "torch.float64 on rank 1"]),
     ],
 )
 def test_gather_in_order_errors(per_rank: List[Dict[str, Any]], case: str, words: List[str]) -> None:
+    """Every rank raises in gather_in_order's words, never in those of sync_dicts it is built on."""
     everything = torch.cat([_sampler_indices(r, len(per_rank)) for r in range(len(per_rank))])
     values, counts = everything.unique(return_counts=True)
     repeated = set(values[counts > 1].tolist())
@@ -388,6 +410,7 @@ def test_gather_in_order_errors(per_rank: List[Dict[str, Any]], case: str, words
         assert error is not None, f"rank {rank} did not raise for {case}"
         kind, message = error
         assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert message.startswith("gather_in_order: ") and "sync_dicts" not in message, message
         for word in words:
             assert word in message, f"rank {rank}: {word!r} not in {message!r}"
         if case.startswith("conflict"):  # names exactly the repeated indices, whose copies sit on different ranks
@@ -445,20 +468,26 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
 @pytest.mark.parametrize(
     "case, kind, words",
     [
-        ("length", "ValueError", ["3 values", "2 indices"]),
-        ("float_indices", "ValueError", ["integers"]),
-        ("zero_dim", "ValueError", ["0-dim"]),
-        ("not_a_dict", "TypeError", ["expects a dict", "list"]),
-        ("sparse", "TypeError", ["dense", "sparse", "'t'"]),
-        ("unpicklable", "TypeError", ["pickle", "'f'"]),
+        ("length", "ValueError", ["gather_in_order", "3 values", "2 indices"]),
+        ("float_indices", "ValueError", ["gather_in_order", "1-D integer tensor", "torch.float32"]),
+        ("zero_dim", "ValueError", ["gather_in_order", "0-dim"]),
+        ("not_a_dict", "TypeError", ["sync_dicts", NOT_A_DICT]),
+        ("sparse", "TypeError", ["sync_dicts", "dense", "sparse", "'t'"]),
+        ("unpicklable", "TypeError", ["sync_dicts", "pickle", "'f'"]),
         ("world_size", "ValueError", ["world_size=3"]),
-        ("none_index", "TypeError", ["indices must be integers", "NoneType"]),
+        ("none_index", "TypeError", ["gather_in_order", "indices must be a 1-D integer tensor", "NoneType"]),
         ("zero_world_size", "ValueError", ["world_size must be at least 1, got 0"]),
+        ("per_batch_indices", "ValueError", ["gather_in_order", "indices holds 2 batches", "torch.cat"]),
+        ("per_batch_values", "ValueError", ["gather_in_order", "2 values but 4 indices", "torch.cat"]),
+        ("str_indices", "TypeError", ["gather_in_order", "sequence of ints", "str at position 0"]),
+        ("unpicklable_values", "TypeError", ["gather_in_order cannot pickle", "'values'"]),
     ],
 )
 def test_one_ranks_bad_call_raises_on_every_rank(
     lone_bad_calls: List[Dict[str, Any]], case: str, kind: str, words: List[str]
 ) -> None:
+    """A gather_in_order call's error is in its words, never in those of sync_dicts it is built on."""
+    gathering = words[0].startswith("gather_in_order")
     for rank, results in enumerate(lone_bad_calls):
         error = results["errors"][case]
         assert error is not None, f"rank {rank} did not raise for {case}"
@@ -466,6 +495,7 @@ def test_one_ranks_bad_call_raises_on_every_rank(
         for word in ["rank 0:", *words]:
             assert word in error[1], f"rank {rank}: {word!r} not in {error[1]!r}"
         assert "rank 1" not in error[1], error[1]
+        assert not (gathering and "sync_dicts" in error[1]), error[1]
 
 
 def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[str, Any]]) -> None:
@@ -509,6 +539,15 @@ def test_sync_dicts_without_group_returns_its_input() -> None:
 
 
 @pytest.mark.usefixtures("no_process_group")
+@pytest.mark.parametrize("world_size", [None, 1])
+def test_sync_dicts_without_group_rejects_a_non_dict(world_size: Optional[int]) -> None:
+    """The error a group gives (see ``not_a_dict`` above), so the mistake shows before scaling up."""
+    with pytest.raises(TypeError) as raised:
+        sync_dicts([1], world_size=world_size)  # type: ignore[arg-type]
+    assert str(raised.value) == NOT_A_DICT
+
+
+@pytest.mark.usefixtures("no_process_group")
 def test_sync_dicts_in_a_group_of_one_returns_its_input(tmp_path: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
@@ -516,6 +555,9 @@ def test_sync_dicts_in_a_group_of_one_returns_its_input(tmp_path: Any) -> None:
         assert sync_dicts(d) is d
         with pytest.raises(ValueError, match="world_size=2"):
             sync_dicts(d, world_size=2)
+        with pytest.raises(TypeError) as raised:
+            sync_dicts([1])  # type: ignore[arg-type]
+        assert str(raised.value) == NOT_A_DICT
     finally:
         dist.destroy_process_group()
 
@@ -540,7 +582,11 @@ def test_gather_in_order_locally_sorts_and_drops_repeats() -> None:
         (torch.arange(3.0), [0, 1, 2], 2, ["range(2)", "2"]),
         (torch.arange(2.0), [-1, 0], 2, ["range(2)", "-1"]),
         (torch.arange(3.0), [0, 1], None, ["3 values", "2 indices"]),
-        (torch.arange(2.0), [0.0, 1.0], None, ["integers"]),
+        (torch.arange(2.0), [0.0, 1.0], None, ["1-D integer tensor", "torch.float32"]),
+        (torch.arange(4.0), [[0, 1], [2, 3]], None, ["indices holds 2 batches", "torch.cat"]),
+        (torch.arange(4.0), torch.arange(4).reshape(2, 2), None, ["1-D integer tensor", "(2, 2)", "torch.cat"]),
+        ([torch.zeros(2, 3)] * 2, [torch.arange(2), torch.arange(2, 4)], None, ["indices holds 2 batches"]),
+        ([torch.zeros(2, 3)] * 2, torch.arange(4), None, ["2 values but 4 indices", "per-batch", "torch.cat"]),
     ],
 )
 def test_gather_in_order_locally_rejects_bad_input(
@@ -548,6 +594,25 @@ def test_gather_in_order_locally_rejects_bad_input(
 ) -> None:
     with pytest.raises(ValueError) as raised:
         gather_in_order(values, indices, dataset_size)
+    assert str(raised.value).startswith("gather_in_order"), raised.value
+    for word in words:
+        assert word in str(raised.value), f"{word!r} not in {raised.value}"
+
+
+@pytest.mark.usefixtures("no_process_group")
+@pytest.mark.parametrize(
+    "values, indices, words",
+    [
+        (torch.zeros(2), ["a", "b"], ["1-D integer tensor or sequence of ints", "str at position 0"]),
+        (torch.zeros(2), [0, None], ["1-D integer tensor or sequence of ints", "NoneType at position 1"]),
+        (torch.zeros(2), None, ["1-D integer tensor or sequence of ints", "NoneType"]),
+        (None, [0, 1], ["values must be a tensor", "NoneType"]),
+    ],
+)
+def test_gather_in_order_locally_rejects_what_holds_no_numbers(values: Any, indices: Any, words: List[str]) -> None:
+    with pytest.raises(TypeError) as raised:
+        gather_in_order(values, indices)
+    assert str(raised.value).startswith("gather_in_order: "), raised.value
     for word in words:
         assert word in str(raised.value), f"{word!r} not in {raised.value}"
 
