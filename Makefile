@@ -34,7 +34,8 @@ test: $(VENV)/.installed
 
 ## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes) against the lowest supported Lightning
 RESUME_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
-	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch)
+	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch \
+	test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run)
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py $(RESUME_TESTS)

@@ -3,9 +3,9 @@
 What gets wrapped, by what the loader holds:
 
 * a default ``RandomSampler``/``SequentialSampler`` (under torch's plain ``BatchSampler`` or none):
-  torch's ``DistributedSampler`` over the dataset, shuffling when the original did (with
-  ``even_shares=False``, which DistributedSampler cannot express, ``DistributedSamplerWrapper`` over the
-  dataset's positions, shuffled the same way);
+  torch's ``DistributedSampler`` over the dataset, shuffling when the original did or as ``shuffle`` says
+  (with a ``shuffle_window`` or ``even_shares=False``, which DistributedSampler cannot express,
+  ``DistributedSamplerWrapper`` over the dataset's positions, shuffled the same way);
 * a custom index sampler (under torch's plain ``BatchSampler`` or none): ``DistributedSamplerWrapper``,
   then batched as before;
 * any other batch sampler (a ``BatchSampler`` subclass or a class of its own): ``DistributedBatchSamplerWrapper``,
@@ -45,6 +45,8 @@ _SAMPLING_ARGUMENTS = {"self", "dataset", "batch_size", "shuffle", "sampler", "b
 #: thread of the parent starts or ends (gh-112275; 3.12 and later never did).
 _FORK_DEADLOCK_FIXED_IN = {(3, 9): 20, (3, 10): 15, (3, 11): 10}
 _PYTHON = (sys.version_info.major, sys.version_info.minor, sys.version_info.micro)
+
+_OWNER = "patch_dataloader_to_ddp"
 
 _warned: set[str] = set()
 
@@ -102,6 +104,48 @@ def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
     return False
 
 
+def uses_default_sampler(loader: DataLoader) -> bool:
+    """Whether ``loader`` draws with a default sampler (sequential, or a plain permutation, of its own dataset,
+    batched by torch's plain ``BatchSampler`` or not at all): the loaders :func:`patch_dataloader_to_ddp` deals
+    like torch's ``DistributedSampler``."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return False
+    sampler: Sampler[Any] = loader.sampler if batch_sampler is None else batch_sampler.sampler  # type: ignore
+    return _is_default_sampler(sampler, loader.dataset)
+
+
+def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: Dict[str, Any]) -> Sampler[Any]:
+    """The sampler that deals a default sampler's dataset out: torch's ``DistributedSampler`` where it can.
+
+    ``shuffle`` True/False wins over the sampler's type (None or absent: shuffled iff a RandomSampler). Windows
+    and uneven shares need our wrapper over the dataset's positions. An empty dataset is refused whatever
+    ``pad`` is: padding nothing would silently give every rank 0 batches.
+    """
+    world, pad = wrapper_kwargs["num_replicas"], wrapper_kwargs.get("pad", True)
+    size = len(dataset)
+    if size == 0:
+        raise ValueError(
+            f"{type(dataset).__name__} is empty (len() == 0): there is nothing to deal out among {world} ranks."
+            " Check the dataset and the sampler's arguments."
+        )
+    shuffle = wrapper_kwargs.get("shuffle")
+    if shuffle is None:
+        shuffle = type(sampler) is RandomSampler
+    if wrapper_kwargs.get("shuffle_window") is not None or not wrapper_kwargs.get("even_shares", True):
+        return DistributedSamplerWrapper(SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffle))
+    if not pad and size < world:
+        raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {size} sample(s)", world)
+    return DistributedSampler(
+        dataset,
+        num_replicas=world,
+        rank=wrapper_kwargs["rank"],
+        shuffle=shuffle,
+        seed=wrapper_kwargs.get("seed", 0),
+        drop_last=not pad,
+    )
+
+
 def _carried_arguments(loader: DataLoader) -> Dict[str, Any]:
     carried: Dict[str, Any] = {}
     for name in inspect.signature(DataLoader.__init__).parameters:
@@ -124,18 +168,32 @@ def patch_dataloader_to_ddp(
     The new loader is a plain ``DataLoader``, also for a DataLoader subclass (``CustomDDP`` rebuilds those as
     their own class, with Lightning's record of their arguments).
 
+    Once patched, a default sampler's order comes from ``seed + epoch`` (the same on every rank), no longer
+    from the loader's ``generator=``. Before each epoch call ``set_epoch(epoch)`` on
+    ``loader.batch_sampler.sampler``, or on ``loader.sampler`` when ``loader.batch_sampler`` is None
+    (``batch_size=None``): in every loader this returns that is the new sampler, or for a custom batch sampler
+    a relay to its wrapper (where Lightning's loop calls it too).
+
     Args:
         loader: the single-process DataLoader.
         num_replicas: number of ranks; defaults to the default process group's world size.
         rank: this rank; defaults to the rank in the default process group.
         **options: ``shuffle``, ``seed``, ``pad``, ``shuffle_window`` and ``even_shares`` for the wrappers (see
-            :class:`~lightning_ddp_ext.samplers.DistributedBatchSamplerWrapper`); ``seed`` and ``pad`` (as
-            ``not drop_last``) also apply to the ``DistributedSampler`` used for default samplers.
+            :class:`~lightning_ddp_ext.samplers.DistributedBatchSamplerWrapper`); ``shuffle=None`` is False there.
+            All five apply to a default sampler too: ``shuffle=True``/``False`` wins over what its type implies
+            (None or absent: shuffled iff it was a ``RandomSampler``), ``seed`` seeds that shuffle, ``pad=False``
+            drops the incomplete round; a ``shuffle_window`` (not None) or ``even_shares=False`` deals the
+            dataset's positions with ``DistributedSamplerWrapper`` instead of ``DistributedSampler``, which can
+            neither shuffle within windows nor leave shares uneven.
 
     Returns:
         The new loader; the loader itself when there is nothing to shard: a loader that is already sharded
         (silently), an IterableDataset or no process group and no explicit ``num_replicas``/``rank`` (with a
-        warning).
+        warning). Explicit ``num_replicas``/``rank`` are validated in every case.
+
+    Raises:
+        ValueError: ``num_replicas``/``rank`` out of range or not integers; an empty dataset under a default
+            sampler; ``pad=False`` with fewer items than ranks.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -156,6 +214,10 @@ def patch_dataloader_to_ddp(
             "patch_dataloader_to_ddp got a DataLoader with dataset=None: there is nothing to index, so no share can be"
             " dealt to a rank. Pass the dataset to the DataLoader (DataLoader(dataset, batch_sampler=...))."
         )
+    # Explicit values are checked before any early return: a wrong rank must not pass just because the
+    # loader needed no sharding.
+    given = num_replicas is not None or rank is not None
+    resolved = _resolve_world(num_replicas, rank, _OWNER) if given else None
     if isinstance(loader.dataset, IterableDataset):
         _warn_once(
             f"patch_dataloader_to_ddp: {type(loader.dataset).__name__} is an IterableDataset; the loader is returned"
@@ -163,7 +225,7 @@ def patch_dataloader_to_ddp(
             " torch.utils.data.get_worker_info() in its __iter__)."
         )
         return loader
-    if num_replicas is None and rank is None and not (dist.is_available() and dist.is_initialized()):
+    if resolved is None and not (dist.is_available() and dist.is_initialized()):
         _warn_once(
             "patch_dataloader_to_ddp: no process group is initialised and no num_replicas/rank were given, so the"
             " loader is returned unchanged (single-process run). Initialise torch.distributed first, or pass"
@@ -172,11 +234,13 @@ def patch_dataloader_to_ddp(
         return loader
     if is_sharded(loader):
         return loader
-    world, own_rank = _resolve_world(num_replicas, rank, "patch_dataloader_to_ddp")
+    world, own_rank = resolved or _resolve_world(None, None, _OWNER)
     fork_risk = _fork_deadlock_warning(loader)
     if fork_risk is not None and world > 1:
         _warn_once(f"patch_dataloader_to_ddp: {fork_risk}")
     wrapper_kwargs = dict(options, num_replicas=world, rank=own_rank)
+    if wrapper_kwargs.get("shuffle", False) is None:  # "as the loader does": the wrappers' default, no permutation
+        del wrapper_kwargs["shuffle"]
     carried = _carried_arguments(loader)
     dataset = loader.dataset
     batch_sampler = loader.batch_sampler
@@ -189,23 +253,8 @@ def patch_dataloader_to_ddp(
     # loader.sampler is a default SequentialSampler and loader.batch_size is None.
     sampler: Sampler[Any] = loader.sampler if batch_sampler is None else batch_sampler.sampler  # type: ignore
     new_sampler: Sampler[Any]
-    if _is_default_sampler(sampler, dataset) and not options.get("even_shares", True):
-        shuffled = type(sampler) is RandomSampler
-        new_sampler = DistributedSamplerWrapper(
-            SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffled, shuffle_window=None)  # type: ignore[arg-type]
-        )
-    elif _is_default_sampler(sampler, dataset):
-        size = len(dataset)  # type: ignore[arg-type]
-        if not options.get("pad", True) and size < world:
-            raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {size} sample(s)", world)
-        new_sampler = DistributedSampler(
-            dataset,
-            num_replicas=world,
-            rank=own_rank,
-            shuffle=type(sampler) is RandomSampler,
-            seed=options.get("seed", 0),
-            drop_last=not options.get("pad", True),
-        )
+    if _is_default_sampler(sampler, dataset):
+        new_sampler = _deal_default_sampler(sampler, dataset, wrapper_kwargs)
     else:
         new_sampler = DistributedSamplerWrapper(sampler, **wrapper_kwargs)
     if batch_sampler is None:  # automatic batching off: the sampler's indices are the items

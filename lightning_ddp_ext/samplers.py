@@ -94,12 +94,23 @@ def _integer_or_none(value: Any) -> Optional[int]:
         return None
 
 
-def _check_shuffle_window(shuffle_window: Optional[int], owner: str) -> None:
-    """Raise a ValueError naming ``owner`` unless ``shuffle_window`` is None or an integer >= 1."""
-    if shuffle_window is not None and (
-        isinstance(shuffle_window, bool) or not isinstance(shuffle_window, int) or shuffle_window < 1
-    ):
+def _check_shuffle_window(shuffle_window: Optional[int], owner: str) -> Optional[int]:
+    """``shuffle_window`` as an int (a numpy or torch integer too) or None; a ValueError naming ``owner`` unless
+    it is None or an integer >= 1."""
+    if shuffle_window is None:
+        return None
+    window = _integer_or_none(shuffle_window)
+    if window is None or window < 1:
         raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
+    return window
+
+
+def _check_flag(value: Any, name: str, owner: str) -> bool:
+    """``value`` as a bool (a numpy bool too); a ValueError naming ``owner`` for anything else, so that a
+    string such as ``"no"`` is not taken as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{owner}: {name} must be True or False, got {value!r}.")
+    return bool(value)
 
 
 def _fewer_items_than_ranks(what: str, world: int) -> ValueError:
@@ -133,7 +144,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 " number of items in advance to take equal shares. Add a __len__ that returns how many items"
                 " one epoch yields (or use an IterableDataset that shards itself)."
             )
-        _check_shuffle_window(shuffle_window, owner)
+        shuffle_window = _check_shuffle_window(shuffle_window, owner)
+        shuffle, pad = _check_flag(shuffle, "shuffle", owner), _check_flag(pad, "pad", owner)
+        checked_seed = _integer_or_none(seed)
+        if checked_seed is None:  # it seeds a torch.Generator with seed + epoch at every epoch
+            raise ValueError(f"{owner}: seed must be an integer, got {seed!r}.")
+        seed = checked_seed
         self.source = source
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
         if shuffle_window is not None and shuffle_window * self.num_replicas > _MAX_WINDOW:
@@ -225,7 +241,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
         For a restart from a mid-epoch checkpoint: those items were trained before it was written. The user's
         sampler is still iterated whole (the sequence, and so every rank's share, stays the same); only the
-        yield of the first ``done`` items is skipped. Applies once; ``len()`` is unchanged.
+        yield of the first ``done`` items is skipped. ``len()`` is unchanged. The epoch is compared when the
+        iteration reads its first item, not when the iterator is made: a loop may make the iterator, then
+        finish the epoch without it (the checkpoint was at its end) and call ``set_epoch`` for the next. The
+        first iteration that reads anything uses the skip up, whatever its epoch.
         """
         if not 0 <= done <= len(self):
             raise ValueError(f"done must be in [0, {len(self)}] (this rank's items per epoch), got {done}.")
@@ -235,10 +254,16 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         # The work is done per block by generators that yield lists; chain.from_iterable walks each list in C,
         # so an item costs no Python frame at all (the floor is the user's sampler, at about 1 us a batch).
         items = chain.from_iterable(self._own_blocks())
+        if self._resume is None:
+            return items
+        return self._resumed(items)
+
+    def _resumed(self, items: Iterator[T]) -> Iterator[T]:
+        """``items`` less the first ones a pending :meth:`resume_within_epoch` skips, if it is for this epoch."""
         resume, self._resume = self._resume, None
-        if resume is not None and resume[0] == self.epoch and resume[1] > 0:
-            return islice(items, resume[1], None)
-        return items
+        if resume is not None and resume[0] == self.epoch:
+            items = islice(items, resume[1], None)
+        yield from items
 
     def _own_blocks(self) -> Iterator[Iterable[T]]:
         """This rank's items of the epoch, as consecutive lists."""
@@ -819,6 +844,9 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
             batches and stream, holding this rank's ``shuffle_window`` batches of a window as the sampler made
             them; None shuffles the whole epoch, which must then be read before the first batch and is stored
             compactly (use it rather than a window as long as the epoch, which would hold the whole share).
+            The whole-epoch shuffle hands each batch back as a new list of ints (the same indices; a tuple,
+            array or tensor batch becomes a list); the other modes yield the sampler's own objects, so the
+            sampler must yield a new sequence per batch, not refill and re-yield one.
         even_shares: False gives rank ``r`` exactly the positions ``r, r + W, ...`` of the sequence, neither
             padded nor dropped, so ranks may get one item more or less: for exact evaluation only, where
             ranks need not step in lock-step (``pad`` is then ignored).

@@ -27,8 +27,13 @@ from typing_extensions import override
 
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.consistency import SequenceDigest, verify_same_sequence
-from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _check_shuffle_window
+from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp, uses_default_sampler
+from lightning_ddp_ext.samplers import (
+    DistributedBatchSamplerWrapper,
+    DistributedSamplerWrapper,
+    _check_shuffle_window,
+    _integer_or_none,
+)
 from lightning_ddp_ext.sync import gather_in_order
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
@@ -116,7 +121,9 @@ class CustomDDP(DDPStrategy):
             (False drops the incomplete last round).
         check_sampler_consistency: compare, across ranks, the lengths and a digest of what each rank's sampler
             yields, and raise before the first optimizer step when they differ (an unseeded sampler).
-        seed: base seed of the shuffles and of ``DistributedSampler`` for default samplers.
+        seed: base seed of the shuffles and of ``DistributedSampler`` for default samplers. None (the default)
+            takes the seed of ``seed_everything`` (``PL_GLOBAL_SEED``) when the loaders are set up, else 0, as
+            stock Lightning seeds its ``DistributedSampler``.
         eval_mode: ``"pad"`` gives every rank the same number of validation/test batches, repeating a few
             (gather with :meth:`gather_in_order` to drop them); ``"exact"`` evaluates each sample once, so
             ranks run different numbers of steps: no collective may run inside ``validation_step``/
@@ -148,13 +155,16 @@ class CustomDDP(DDPStrategy):
         shuffle_window: Optional[int] = None,
         pad_to_world_size: bool = True,
         check_sampler_consistency: bool = True,
-        seed: int = 0,
+        seed: Optional[int] = None,
         eval_mode: Literal["pad", "exact"] = "pad",
         **kwargs: Any,
     ) -> None:
         if eval_mode not in ("pad", "exact"):
             raise ValueError(f"eval_mode must be 'pad' or 'exact', got {eval_mode!r}.")
-        _check_shuffle_window(shuffle_window, type(self).__name__)  # here, not in each rank at loader set-up
+        # here, not in each rank at loader set-up
+        shuffle_window = _check_shuffle_window(shuffle_window, type(self).__name__)
+        if seed is not None and _integer_or_none(seed) is None:
+            raise ValueError(f"{type(self).__name__}: seed must be an integer or None, got {seed!r}.")
         super().__init__(**kwargs)
         self.eval_mode = eval_mode
         self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
@@ -318,7 +328,7 @@ class CustomDDP(DDPStrategy):
         return {
             "shuffle": self.shuffle_batches_between_ranks,
             "shuffle_window": self.shuffle_window,
-            "seed": self.seed,
+            "seed": self.seed if self.seed is not None else int(os.getenv("PL_GLOBAL_SEED", 0)),
             "pad": self.pad_to_world_size,
             "even_shares": True,
         }
@@ -384,7 +394,12 @@ class CustomDDP(DDPStrategy):
             self._warn_unsharded(dataloader, stage)
             return dataloader
         training = stage == RunningStage.TRAINING
-        patched = patch_dataloader_to_ddp(dataloader, **self.sharding_options(training))
+        options = self.sharding_options(training)
+        if uses_default_sampler(dataloader):
+            # A DistributedSampler, shuffled when the loader was (stock Lightning shuffles every training loader;
+            # we keep the user's choice): the batch shuffle and its window are for custom samplers.
+            options.update(shuffle=None, shuffle_window=None)
+        patched = patch_dataloader_to_ddp(dataloader, **options)
         if patched is dataloader:  # an IterableDataset, or a loader the user sharded already
             return patched
         if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
@@ -437,6 +452,9 @@ class CustomDDP(DDPStrategy):
         resume = _compat.mid_epoch_resume(trainer)
         if resume is not None and wrapper is not None:
             resumed_epoch, done = resume
+            # A loader shorter than the epoch is restarted when it runs out (CombinedLoader's "max_size_cycle"):
+            # what it trained of its current pass is what is left over after its whole passes.
+            done %= len(loader)
             items_done = done * (loader.batch_size or 1) if isinstance(wrapper, DistributedSamplerWrapper) else done
             if 0 < items_done < len(wrapper):
                 wrapper.resume_within_epoch(resumed_epoch, items_done)

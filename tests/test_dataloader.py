@@ -4,7 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import warnings
-from typing import Any, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 import pytest
@@ -262,3 +262,146 @@ def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
         assert unique == {tuple(b) for b in expected}  # every batch of the epoch was seen by some rank
         assert len(dealt) - len(unique) == 2  # the only repeats are the two padding batches
     assert gathered[0][0] != gathered[0][1]  # set_epoch reached the user's sampler
+
+
+# ------------------------------------------------------------ options for default samplers, validation, empty data
+class Positions(Dataset):
+    """A map-style dataset of ``size`` items, each its own index."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _shares(loader: DataLoader, world: int, **options: Any) -> List[List[Any]]:
+    """Every rank's items (batches as lists) of one epoch, computed in this process."""
+    patched = [patch_dataloader_to_ddp(loader, world, rank, **options) for rank in range(world)]
+    return [[torch.as_tensor(item).tolist() for item in share] for share in patched]
+
+
+def _torch_shares(size: int, world: int, shuffle: bool, seed: int = 0) -> List[List[int]]:
+    return [list(DistributedSampler(Positions(size), world, rank, shuffle=shuffle, seed=seed)) for rank in range(world)]
+
+
+def test_explicit_shuffle_wins_over_what_the_default_samplers_type_implies() -> None:
+    sequential, shuffled = DataLoader(Positions(10), batch_size=None), DataLoader(Positions(10), batch_size=None, shuffle=True)
+    assert _shares(sequential, 2, shuffle=True, seed=3) == _torch_shares(10, 2, shuffle=True, seed=3)
+    assert _shares(shuffled, 2, shuffle=False) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert _shares(sequential, 2, shuffle=None) == _shares(sequential, 2) == _torch_shares(10, 2, shuffle=False)
+    assert _shares(shuffled, 2, shuffle=None) == _shares(shuffled, 2) == _torch_shares(10, 2, shuffle=True)
+    patched = patch_dataloader_to_ddp(DataLoader(Positions(10), batch_size=2), 2, 0, shuffle=True)
+    assert isinstance(patched.sampler, DistributedSampler) and patched.sampler.shuffle
+    uneven = patch_dataloader_to_ddp(sequential, 3, 0, shuffle=True, even_shares=False)  # the wrapper's branch too
+    assert isinstance(uneven.sampler, DistributedSamplerWrapper) and uneven.sampler.shuffle
+    # The loader's generator no longer drives the order: seed + epoch does, the same on every rank.
+    for seed in (1, 2):
+        drawn = DataLoader(Positions(10), batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        assert _shares(drawn, 2) == _torch_shares(10, 2, shuffle=True)
+
+
+def test_shuffle_window_deals_default_samplers_with_the_wrapper_over_their_positions() -> None:
+    loader = DataLoader(Positions(12), batch_size=None, shuffle=True)
+    patched = patch_dataloader_to_ddp(loader, 3, 0, shuffle_window=1, seed=4)
+    assert isinstance(patched.sampler, DistributedSamplerWrapper) and type(patched.sampler.sampler) is SequentialSampler
+    assert patched.sampler.shuffle and patched.sampler.shuffle_window == 1 and patched.sampler.seed == 4
+    shares = _shares(loader, 3, shuffle_window=1, seed=4)
+    expected = [DistributedSamplerWrapper(SequentialSampler(Positions(12)), 3, r, shuffle=True, shuffle_window=1, seed=4)
+                for r in range(3)]
+    assert shares == [list(wrapper) for wrapper in expected]
+    for window in range(4):  # positions are permuted only within windows of shuffle_window * 3 = 3
+        assert sorted(share[window] for share in shares) == [3 * window, 3 * window + 1, 3 * window + 2]
+    assert shares != [[r, r + 3, r + 6, r + 9] for r in range(3)]  # and they are permuted (seed 4)
+    assert _shares(loader, 3, shuffle_window=1, shuffle=False) == [[r, r + 3, r + 6, r + 9] for r in range(3)]
+    uneven = patch_dataloader_to_ddp(loader, 3, 0, shuffle_window=2, even_shares=False)
+    assert isinstance(uneven.sampler, DistributedSamplerWrapper) and uneven.sampler.shuffle_window == 2
+    with pytest.raises(ValueError, match="shuffle_window must be None or an integer >= 1, got 0"):
+        patch_dataloader_to_ddp(loader, 3, 0, shuffle_window=0)
+
+
+class _Relayed(ClassBalancedBatches):
+    """A custom batch sampler (no BatchSampler subclass) that records the epochs it is told."""
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.told = epoch
+
+
+SET_EPOCH_CASES: Dict[str, Callable[[], Tuple[DataLoader, Dict[str, Any]]]] = {
+    "default-batched": lambda: (DataLoader(Squares(), batch_size=4, shuffle=True), {}),
+    "default-window": lambda: (DataLoader(Squares(), batch_size=4, shuffle=True), {"shuffle_window": 2}),
+    "default-unbatched": lambda: (DataLoader(Squares(), batch_size=None, shuffle=True), {}),
+    "custom-index-sampler": lambda: (DataLoader(Squares(), batch_size=4, sampler=range(30)), {"shuffle": True}),
+    "plain-batch-sampler": lambda: (
+        DataLoader(Squares(), batch_sampler=BatchSampler(range(30), 4, False)),  # type: ignore[arg-type]
+        {"shuffle": True},
+    ),
+    "custom-batch-sampler": lambda: (DataLoader(Squares(), batch_sampler=_Relayed(30, 4)), {"shuffle": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SET_EPOCH_CASES))
+def test_documented_set_epoch_recipe_reaches_every_kind_of_returned_loader(case: str) -> None:
+    """Docstring: set_epoch on loader.batch_sampler.sampler, or on loader.sampler without a batch sampler."""
+    loader, options = SET_EPOCH_CASES[case]()
+    epochs = []
+    for epoch in range(2):
+        patched = [patch_dataloader_to_ddp(loader, 2, rank, **options) for rank in range(2)]
+        for share in patched:
+            target = share.sampler if share.batch_sampler is None else share.batch_sampler.sampler  # type: ignore
+            target.set_epoch(epoch)  # type: ignore[union-attr]
+        shares = [[torch.as_tensor(item).reshape(-1).tolist() for item in share] for share in patched]
+        epochs.append(shares)
+        single = loader.batch_sampler or loader.sampler  # the single-process epoch (the user's sampler was told it)
+        user = [torch.as_tensor(entry).reshape(-1).tolist() for entry in single]
+        assert {i for share in shares for item in share for i in item} == {i for entry in user for i in entry}
+    assert epochs[0] != epochs[1]  # the new epoch reached the shuffle
+    if case == "custom-batch-sampler":
+        assert loader.batch_sampler.told == 1  # type: ignore[union-attr]  # forwarded to the user's sampler
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+@pytest.mark.parametrize(
+    "num_replicas,rank,message",
+    [
+        (0, 0, r"num_replicas must be an integer >= 1, got 0\."),
+        (2, "x", r"rank must be an integer in \[0, 1\], got 'x'\."),
+        (2, 2, r"rank must be an integer in \[0, 1\], got 2\."),
+        (2.0, 0, r"num_replicas must be an integer >= 1, got 2\.0\."),
+    ],
+)
+@pytest.mark.parametrize("kind", ["iterable-dataset", "already-sharded"])
+def test_explicit_world_and_rank_are_validated_before_an_early_return(
+    kind: str, num_replicas: Any, rank: Any, message: str
+) -> None:
+    if kind == "iterable-dataset":
+        loader = DataLoader(_Stream())
+    else:
+        loader = DataLoader(Squares(), sampler=DistributedSampler(Squares(), num_replicas=2, rank=0))
+    with pytest.raises(ValueError, match="patch_dataloader_to_ddp: " + message):
+        patch_dataloader_to_ddp(loader, num_replicas, rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the IterableDataset warning
+        assert patch_dataloader_to_ddp(loader, 2, 1) is loader  # valid values: still returned unchanged
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"pad": True}, {"pad": False}, {"even_shares": False}, {"shuffle_window": 1}, {"shuffle": True}]
+)
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_empty_dataset_under_a_default_sampler_is_refused_whatever_pad(options: Any, batch_size: Any) -> None:
+    """pad=True used to give every rank 0 batches silently (DistributedSampler pads nothing with nothing)."""
+    message = (
+        r"^list is empty \(len\(\) == 0\): there is nothing to deal out among 3 ranks\. Check the dataset and the"
+        r" sampler's arguments\.$"
+    )
+    with pytest.raises(ValueError, match=message):
+        patch_dataloader_to_ddp(DataLoader([], batch_size=batch_size), 3, 0, **options)  # type: ignore[arg-type]

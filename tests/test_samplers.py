@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from collections import Counter
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import pytest
@@ -374,6 +375,30 @@ def test_bad_shuffle_window_is_refused(window: Any) -> None:
     assert len(DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, shuffle=True, shuffle_window=2**30)) == 2
 
 
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"seed": None}, "seed must be an integer, got None"),
+        ({"pad": "no"}, "pad must be True or False, got 'no'"),
+        ({"shuffle": 1}, "shuffle must be True or False, got 1"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_at_construction(options: Dict[str, Any], message: str) -> None:
+    """Refused where they are given, not at the first epoch with torch's words (seed), and never read as true
+    because they are truthy (``pad="no"``)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, **options)
+
+
+def test_numpy_integers_and_bools_are_accepted_as_options() -> None:
+    wrapper = DistributedBatchSamplerWrapper(
+        [[i] for i in range(8)], np.int64(2), 0, shuffle=np.bool_(True), shuffle_window=np.int64(2), seed=np.int32(3)
+    )
+    assert (wrapper.shuffle_window, wrapper.seed, wrapper.shuffle) == (2, 3, True)
+    assert type(wrapper.shuffle_window) is int and type(wrapper.seed) is int and len(list(wrapper)) == 4
+
+
 def test_whole_epoch_shuffle_longer_than_a_window_may_be_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole-epoch shuffle is one window spanning the epoch, so it has the windows' limit (2**31 positions,
     lowered here to 8): past it every rank raises before reading, and the message names the streaming way out."""
@@ -383,6 +408,26 @@ def test_whole_epoch_shuffle_longer_than_a_window_may_be_is_refused(monkeypatch:
             next(iter(DistributedBatchSamplerWrapper([[i] for i in range(9)], 2, rank, shuffle=True)))
     shares = [list(DistributedBatchSamplerWrapper([[i] for i in range(8)], 2, rank, shuffle=True)) for rank in range(2)]
     assert sorted(shares[0] + shares[1]) == [[i] for i in range(8)]
+
+
+def test_a_resume_skips_in_the_first_iteration_that_reads_and_only_in_its_epoch() -> None:
+    """resume_within_epoch(e, n) skips n items of the first iteration that reads anything, if it reads epoch e:
+    a loop may make an iterator and finish that epoch without it (its checkpoint was at the epoch's end), then
+    read it in the next epoch, which must be whole."""
+    wrapper = DistributedBatchSamplerWrapper([[i] for i in range(12)], 2, 0, shuffle=True)
+    whole = list(wrapper)
+    wrapper.resume_within_epoch(0, 2)
+    iter(wrapper)  # made, never read: the resume stays pending
+    assert list(wrapper) == whole[2:]
+    assert list(wrapper) == whole  # once only
+    wrapper.resume_within_epoch(0, 2)
+    made_in_epoch_0 = iter(wrapper)
+    wrapper.set_epoch(1)
+    next_epoch = list(made_in_epoch_0)
+    assert len(next_epoch) == 6 and next_epoch != whole  # epoch 1's share, whole
+    assert list(wrapper) == next_epoch  # the stale resume was dropped
+    with pytest.raises(ValueError, match=r"done must be in \[0, 6\]"):
+        wrapper.resume_within_epoch(1, 7)
 
 
 def test_empty_sampler() -> None:

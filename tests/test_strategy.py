@@ -191,6 +191,23 @@ def test_predict_is_sharded_by_lightning(tmp_path: Path) -> None:
     assert sorted(seen) == list(range(DATASET_SIZE))
 
 
+class SelfShardingPredictor(Predictor):
+    """Deals a custom batch sampler in predict_dataloader, as docs/guides/evaluation.rst shows."""
+
+    def predict_dataloader(self) -> DataLoader:
+        batches = [list(range(start, min(start + 5, DATASET_SIZE))) for start in range(0, DATASET_SIZE, 5)]
+        return patch_dataloader_to_ddp(DataLoader(IndexDataset(), batch_sampler=batches), even_shares=False)
+
+
+def test_a_custom_batch_sampler_sharded_in_predict_dataloader_predicts_each_sample_once(tmp_path: Path) -> None:
+    """Lightning does not deal custom batch samplers in predict; the documented recipe does, unpadded."""
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs())
+    trainer.predict(SelfShardingPredictor(str(tmp_path)), return_predictions=False)
+    ranks = read_ranks(str(tmp_path), 2)
+    shares = [[i for _, batch in report["seen"]["predict/only"] for i in batch] for report in ranks]
+    assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE)) and all(shares)
+
+
 class KeyedLoader(DataLoader):
     """A DataLoader subclass with an argument of its own, whose batches come wrapped in a dict under that key."""
 
@@ -343,3 +360,42 @@ def test_integer_mean_is_exact_and_at_least_float32_under_half_precision() -> No
         trainer.fit(model, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
     [mean] = model.means
     assert mean.dtype == torch.float32 and mean.item() == 1001
+
+
+class OrderRecorder(pl.LightningModule):
+    """Records the sample indices of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.order: List[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.order += batch[0].long().flatten().tolist()
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> None:
+    """Plain loaders get a DistributedSampler seeded like stock Lightning's (seed_everything's seed, unless the
+    strategy is given one), so runs with different seeds see different orders; shuffle=False stays in order,
+    whatever the batch shuffle of custom samplers says."""
+
+    def order(global_seed: int, shuffle: bool = True, **options: Any) -> List[int]:
+        pl.seed_everything(global_seed)
+        model = OrderRecorder()
+        with single_rank_in_this_process(free_port()):
+            trainer = pl.Trainer(strategy=CustomDDP(**options), **trainer_kwargs(devices=1, max_epochs=1))
+            data = TensorDataset(torch.arange(16.0).unsqueeze(1))
+            trainer.fit(model, DataLoader(data, batch_size=4, shuffle=shuffle))
+        return model.order
+
+    first = order(1)
+    assert sorted(first) == list(range(16)) and first != list(range(16))
+    assert order(1) == first and order(2) != first
+    assert order(2, seed=5) == order(3, seed=5)  # an explicit seed wins
+    assert order(1, shuffle=False, shuffle_batches_between_ranks=True, shuffle_window=2) == list(range(16))
+    with pytest.raises(ValueError, match="seed must be an integer or None, got 1.5"):
+        CustomDDP(seed=1.5)  # type: ignore[arg-type]

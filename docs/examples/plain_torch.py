@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext.consistency import verify_same_sequence
 from lightning_ddp_ext.sync import gather_in_order
 
 WORLD_SIZE = 2
@@ -54,12 +55,16 @@ def worker(rank: int, rendezvous: str) -> None:
     train_loader = patch_dataloader_to_ddp(loader)
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    wrapper = train_loader.batch_sampler
     for epoch in range(2):
-        train_loader.batch_sampler.set_epoch(epoch)
+        train_loader.batch_sampler.sampler.set_epoch(epoch)  # works for every loader patch_dataloader_to_ddp returns
         for x, _ in train_loader:
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()
             optimizer.step()
+        # Every rank must have drawn the same sequence (an unseeded sampler would not): a collective that raises
+        # on every rank, naming the sampler, when they differ.
+        verify_same_sequence(wrapper.head_digest, wrapper.epoch_digest)
 
     # Evaluation: each rank runs its share, then every rank gets all outputs in dataset order, once each.
     eval_loader = patch_dataloader_to_ddp(loader, pad=True)

@@ -1,0 +1,60 @@
+"""Resumes at the edges of an epoch, in one popen job (the launcher re-runs this file for rank 1).
+
+Usage: python reliability_resume_edges.py OUT_DIR
+
+* ``limited``: ``limit_train_batches=4`` of a 6-batch share, 3 epochs; ``limited_first`` stops after step 4
+  with a checkpoint there (the limited epoch's last batch, so Lightning starts the next epoch when it resumes);
+  ``limited_resumed`` goes on from it to 3 epochs.
+* ``cycled``: two loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank
+  and ``b`` with 2 (restarted when it runs out), one epoch; ``cycled_first`` stops after step 3 (``b`` one
+  batch into its second pass) with a checkpoint; ``cycled_resumed`` finishes the epoch from it.
+
+Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
+"""
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from reliability_common import WeightRecorder, pk_loader, run_guarded, strategy, trainer_kwargs
+
+LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
+CYCLED_STOP = 3
+
+
+def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1, **options: Any) -> None:
+    run_dir = out_dir / run
+    run_dir.mkdir(exist_ok=True)
+    callbacks: List[Any] = []
+    if stop_at > 0:
+        options["max_steps"] = stop_at
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", filename=f"{run}-{{step}}",
+                                         every_n_train_steps=stop_at))
+    pl.seed_everything(7)
+    model = WeightRecorder(str(run_dir))
+    trainer = pl.Trainer(
+        strategy=strategy("popen"),
+        **trainer_kwargs(enable_checkpointing=bool(callbacks), callbacks=callbacks, **options),
+    )
+    run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, loaders(), ckpt_path=ckpt_path))
+
+
+def limited_loader() -> Any:
+    return pk_loader(size=96)  # 12 batches: 6 per rank, of which the limit trains 4
+
+
+def two_loaders() -> Dict[str, Any]:
+    return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2)}
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    checkpoints = out / "checkpoints"
+    limited = dict(max_epochs=3, limit_train_batches=LIMIT)
+    fit(out, "limited", limited_loader, **limited)
+    fit(out, "limited_first", limited_loader, stop_at=LIMITED_STOP, **limited)
+    fit(out, "limited_resumed", limited_loader, ckpt_path=checkpoints / f"limited_first-step={LIMITED_STOP}.ckpt", **limited)
+    fit(out, "cycled", two_loaders, max_epochs=1)
+    fit(out, "cycled_first", two_loaders, stop_at=CYCLED_STOP, max_epochs=1)
+    fit(out, "cycled_resumed", two_loaders, ckpt_path=checkpoints / f"cycled_first-step={CYCLED_STOP}.ckpt", max_epochs=1)
