@@ -223,25 +223,46 @@ def kill_launched_ranks(strategy: "DDPStrategy") -> int:
     return len(alive)
 
 
-def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
-    """``(epoch, batches already trained in it)`` when ``fit`` resumes from a mid-epoch checkpoint, else None.
-
-    Read from the restored loop progress while the train loader is being set up (``FitLoop.setup_data``,
-    before ``FitLoop.reset`` interprets it). An epoch that was started but not processed is mid-epoch; its
-    batches counted as processed ran their optimizer step before the checkpoint (a checkpoint written in
-    ``on_train_batch_end`` counts its own batch as processed but not yet completed).
-    """
+def _restarted_epoch(trainer: "pl.Trainer") -> Optional[tuple[int, Any]]:
+    """``(epoch, its batch progress)`` when ``fit`` restarts inside an epoch that was started but not processed
+    (a checkpoint written during it), else None. Read while the train loader is being set up
+    (``FitLoop.setup_data``), before ``FitLoop.reset`` interprets the restored progress."""
     fit_loop = trainer.fit_loop
     if not fit_loop.restarting:
         return None
     epochs: Any = fit_loop.epoch_progress.current  # a _ProcessedTracker, typed as its base class
     if not (epochs.started == epochs.ready and epochs.processed == epochs.started - 1):
         return None
-    batches: Any = fit_loop.epoch_loop.batch_progress.current
-    return int(epochs.processed), int(batches.processed)
+    return int(epochs.processed), fit_loop.epoch_loop.batch_progress
+
+
+def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
+    """``(epoch, batches already trained in it)`` when ``fit`` resumes from a mid-epoch checkpoint, else None.
+
+    Its batches counted as processed ran their optimizer step before the checkpoint (a checkpoint written in
+    ``on_train_batch_end`` counts its own batch as processed but not yet completed). A checkpoint written after
+    the step of the epoch's last batch (``limit_train_batches`` counts) is not mid-epoch: Lightning goes on with
+    the next epoch, on the iterator it makes while setting up (see :func:`epoch_for_samplers`). Lightning
+    versions without restart stages in their training epoch loop (2.2) first re-run one batch, with any
+    sampler.
+    """
+    restarted = _restarted_epoch(trainer)
+    if restarted is None or _last_batch_done(restarted[1]):
+        return None
+    return restarted[0], int(restarted[1].current.processed)
+
+
+def _last_batch_done(batches: Any) -> bool:
+    """Whether the restored batch progress says the epoch's last batch ran its step: ``is_last_batch`` is set
+    when that batch is fetched, so a checkpoint written during its step (``OnExceptionCheckpoint``) has it too,
+    and Lightning re-runs that batch."""
+    progress = batches.current
+    return bool(batches.is_last_batch) and progress.processed == progress.started == progress.ready
 
 
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
-    """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch."""
+    """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
+    next one after a checkpoint written at an epoch's last batch."""
     epochs: Any = trainer.fit_loop.epoch_progress.current
-    return int(epochs.processed)
+    restarted = _restarted_epoch(trainer)
+    return int(epochs.processed) + (1 if restarted is not None and _last_batch_done(restarted[1]) else 0)

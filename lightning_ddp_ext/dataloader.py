@@ -28,8 +28,11 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
-    _resolve_world,
+    _check_flag,
+    _check_shuffle_window,
     _fewer_items_than_ranks,
+    _integer_or_none,
+    _resolve_world,
 )
 
 __all__ = ["patch_dataloader_to_ddp", "is_sharded", "WRAPPER_OPTIONS"]
@@ -104,6 +107,17 @@ def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
     return False
 
 
+def _check_options(options: Dict[str, Any]) -> None:
+    """Refuse options of the wrong type with the wrappers' errors, whichever sampler they end up with (torch's
+    DistributedSampler would take ``shuffle="no"`` as true, and a float seed only fails at the first epoch)."""
+    for flag in ("pad", "even_shares") + (("shuffle",) if options.get("shuffle") is not None else ()):
+        if flag in options:
+            _check_flag(options[flag], flag, _OWNER)
+    if "seed" in options and _integer_or_none(options["seed"]) is None:
+        raise ValueError(f"{_OWNER}: seed must be an integer, got {options['seed']!r}.")
+    _check_shuffle_window(options.get("shuffle_window"), _OWNER)
+
+
 def uses_default_sampler(loader: DataLoader) -> bool:
     """Whether ``loader`` draws with a default sampler (sequential, or a plain permutation, of its own dataset,
     batched by torch's plain ``BatchSampler`` or not at all): the loaders :func:`patch_dataloader_to_ddp` deals
@@ -130,8 +144,7 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
             " Check the dataset and the sampler's arguments."
         )
     shuffle = wrapper_kwargs.get("shuffle")
-    if shuffle is None:
-        shuffle = type(sampler) is RandomSampler
+    shuffle = type(sampler) is RandomSampler if shuffle is None else bool(shuffle)
     if wrapper_kwargs.get("shuffle_window") is not None or not wrapper_kwargs.get("even_shares", True):
         return DistributedSamplerWrapper(SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffle))
     if not pad and size < world:
@@ -141,7 +154,7 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
         num_replicas=world,
         rank=wrapper_kwargs["rank"],
         shuffle=shuffle,
-        seed=wrapper_kwargs.get("seed", 0),
+        seed=int(wrapper_kwargs.get("seed", 0)),  # checked to be an integer (a numpy one too) by _check_options
         drop_last=not pad,
     )
 
@@ -171,7 +184,7 @@ def patch_dataloader_to_ddp(
     Once patched, a default sampler's order comes from ``seed + epoch`` (the same on every rank), no longer
     from the loader's ``generator=``. Before each epoch call ``set_epoch(epoch)`` on
     ``loader.batch_sampler.sampler``, or on ``loader.sampler`` when ``loader.batch_sampler`` is None
-    (``batch_size=None``): in every loader this returns that is the new sampler, or for a custom batch sampler
+    (``batch_size=None``): in every loader this shards that is the new sampler, or for a custom batch sampler
     a relay to its wrapper (where Lightning's loop calls it too).
 
     Args:
@@ -207,6 +220,7 @@ def patch_dataloader_to_ddp(
             f"patch_dataloader_to_ddp got unknown option(s) {sorted(unknown)}; the accepted ones are"
             f" {list(WRAPPER_OPTIONS)}."
         )
+    _check_options(options)
     if not isinstance(loader, DataLoader):
         raise TypeError(f"patch_dataloader_to_ddp expects a torch DataLoader, got {type(loader).__name__}.")
     if loader.dataset is None:

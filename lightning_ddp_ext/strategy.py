@@ -122,8 +122,9 @@ class CustomDDP(DDPStrategy):
         check_sampler_consistency: compare, across ranks, the lengths and a digest of what each rank's sampler
             yields, and raise before the first optimizer step when they differ (an unseeded sampler).
         seed: base seed of the shuffles and of ``DistributedSampler`` for default samplers. None (the default)
-            takes the seed of ``seed_everything`` (``PL_GLOBAL_SEED``) when the loaders are set up, else 0, as
-            stock Lightning seeds its ``DistributedSampler``.
+            takes the seed of ``seed_everything`` (``PL_GLOBAL_SEED``, else 0) as stock Lightning seeds its
+            ``DistributedSampler``, but rank 0's, read when the trainer sets up: a seed that differs per rank
+            must not deal overlapping shares.
         eval_mode: ``"pad"`` gives every rank the same number of validation/test batches, repeating a few
             (gather with :meth:`gather_in_order` to drop them); ``"exact"`` evaluates each sample once, so
             ranks run different numbers of steps: no collective may run inside ``validation_step``/
@@ -172,6 +173,7 @@ class CustomDDP(DDPStrategy):
         self.pad_to_world_size = pad_to_world_size
         self.check_sampler_consistency = check_sampler_consistency
         self.seed = seed
+        self._global_seed: Optional[int] = None  # rank 0's PL_GLOBAL_SEED, read in setup (see _loader_seed)
         self._replace_samplers = True
         self._said_no_replacement = False
         self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
@@ -239,6 +241,9 @@ class CustomDDP(DDPStrategy):
                 f"{type(self).__name__}: Trainer(use_distributed_sampler=False) was given, so dataloaders are used as"
                 " they are: each rank must load its own share."
             )
+        # seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
+        # that differs per rank (to vary augmentation) must not deal overlapping shares.
+        self._global_seed = self.broadcast(int(os.getenv("PL_GLOBAL_SEED", 0)), src=0) if self.seed is None else None
         with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
             super().setup(trainer)
 
@@ -328,10 +333,14 @@ class CustomDDP(DDPStrategy):
         return {
             "shuffle": self.shuffle_batches_between_ranks,
             "shuffle_window": self.shuffle_window,
-            "seed": self.seed if self.seed is not None else int(os.getenv("PL_GLOBAL_SEED", 0)),
+            "seed": self.seed if self.seed is not None else self._loader_seed(),
             "pad": self.pad_to_world_size,
             "even_shares": True,
         }
+
+    def _loader_seed(self) -> int:
+        """seed_everything's seed on rank 0 when the trainer was set up (this process's, before that)."""
+        return self._global_seed if self._global_seed is not None else int(os.getenv("PL_GLOBAL_SEED", 0))
 
     @property
     @override
@@ -395,12 +404,16 @@ class CustomDDP(DDPStrategy):
             return dataloader
         training = stage == RunningStage.TRAINING
         options = self.sharding_options(training)
-        if uses_default_sampler(dataloader):
+        default = uses_default_sampler(dataloader)
+        # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
+        # "ddp". It still takes part in the length check below, which fails on every rank if others are not empty.
+        empty = default and len(dataloader.dataset) == 0  # type: ignore[arg-type]
+        if default:
             # A DistributedSampler, shuffled when the loader was (stock Lightning shuffles every training loader;
             # we keep the user's choice): the batch shuffle and its window are for custom samplers.
             options.update(shuffle=None, shuffle_window=None)
-        patched = patch_dataloader_to_ddp(dataloader, **options)
-        if patched is dataloader:  # an IterableDataset, or a loader the user sharded already
+        patched = dataloader if empty else patch_dataloader_to_ddp(dataloader, **options)
+        if patched is dataloader and not empty:  # an IterableDataset, or a loader the user sharded already
             return patched
         if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
             patched = _compat.rebuild_dataloader(dataloader, patched)
@@ -411,6 +424,8 @@ class CustomDDP(DDPStrategy):
             # Every rank must deal the same number of items, or the ranks step different numbers of times.
             source, length = _dealt_source(patched)
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
+        if empty:
+            return patched
         if wrapper is not None and not training and not wrapper.even_shares:
             self._refuse_rank_without_batches(patched, wrapper, stage)
         if training:
@@ -454,7 +469,7 @@ class CustomDDP(DDPStrategy):
             resumed_epoch, done = resume
             # A loader shorter than the epoch is restarted when it runs out (CombinedLoader's "max_size_cycle"):
             # what it trained of its current pass is what is left over after its whole passes.
-            done %= len(loader)
+            done %= max(1, len(loader))
             items_done = done * (loader.batch_size or 1) if isinstance(wrapper, DistributedSamplerWrapper) else done
             if 0 < items_done < len(wrapper):
                 wrapper.resume_within_epoch(resumed_epoch, items_done)

@@ -494,18 +494,12 @@ def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tenso
         if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
             raise TypeError(f"gather_in_order: {_INDEX_RULE}; got {type(indices).__name__}")
         items = list(indices)
-        batches = sum(_is_batch(item) for item in items)
-        if batches:
-            raise ValueError(
-                f"gather_in_order: indices holds {batches} batches of indices, not one index per sample; "
-                "torch.cat your per-batch indices (and values) along dim 0 before calling gather_in_order"
-            )
         try:
             index = torch.as_tensor(items)
-        except (TypeError, ValueError, RuntimeError):  # torch's words for a None, a str or another object
-            position, bad = next(((i, x) for i, x in enumerate(items) if not _is_number(x)), (0, items[0]))
-            got = f"{type(bad).__name__} at position {position}"
-            raise TypeError(f"gather_in_order: {_INDEX_RULE}; got {got}") from None
+        except (TypeError, ValueError, RuntimeError, OverflowError):  # torch's words for what is no index
+            raise _not_indices(items) from None
+        if index.dim() > 1 and any(map(_is_batch, items)):  # equal-sized batches make a 2-D tensor
+            raise _not_indices(items)
     if index.numel() == 0:
         index = index.to(torch.int64)  # an empty list has no integer dtype to infer
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
@@ -516,6 +510,22 @@ def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tenso
             "dim 0, or flatten them"
         )
     return index.to("cpu", torch.int64)
+
+
+def _not_indices(items: List[Any]) -> Exception:
+    """Why ``items``, which torch could not make a tensor of, are not one index per sample: per-batch indices
+    (ValueError, the fix is ``torch.cat``), something that is no number (TypeError), or an integer past 64 bits.
+    Only looked into after torch failed, so valid indices cost no Python step each."""
+    batches = sum(map(_is_batch, items))
+    if batches:
+        return ValueError(
+            f"gather_in_order: indices holds {batches} batches of indices, not one index per sample; "
+            "torch.cat your per-batch indices (and values) along dim 0 before calling gather_in_order"
+        )
+    bad = next(((i, x) for i, x in enumerate(items) if not _is_number(x)), None)
+    if bad is None:
+        return ValueError(f"gather_in_order: {_INDEX_RULE}; an index does not fit in 64 bits")
+    return TypeError(f"gather_in_order: {_INDEX_RULE}; got {type(bad[1]).__name__} at position {bad[0]}")
 
 
 def _is_batch(item: Any) -> bool:

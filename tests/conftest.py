@@ -20,3 +20,12 @@ def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = children_baseline()
     yield
     assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)
+
+
+@pytest.fixture(autouse=True)
+def no_global_seed_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``seed_everything`` exports ``PL_GLOBAL_SEED``, which seeds CustomDDP's samplers by default: a test that
+    calls it in this process must not change the shares later tests (and their subprocesses) deal."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.setenv(name, "0")  # registers the original value (or its absence) for restoring
+        monkeypatch.delenv(name)

@@ -200,7 +200,9 @@ def run_distributed(
 def free_env() -> dict[str, str]:
     """The environment for a subprocess that must not inherit this process's distributed settings."""
     env = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
+    # PL_GLOBAL_SEED too: a seed_everything in the test process would seed the subprocess's samplers.
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED",
+                "PL_SEED_WORKERS"):
         env.pop(key, None)
     return env
 

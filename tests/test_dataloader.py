@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import re
 import sys
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -405,3 +406,30 @@ def test_empty_dataset_under_a_default_sampler_is_refused_whatever_pad(options: 
     )
     with pytest.raises(ValueError, match=message):
         patch_dataloader_to_ddp(DataLoader([], batch_size=batch_size), 3, 0, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"shuffle": "no"}, "shuffle must be True or False, got 'no'"),
+        ({"pad": "no"}, "pad must be True or False, got 'no'"),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"shuffle_window": 0}, "shuffle_window must be None or an integer >= 1, got 0"),
+    ],
+)
+@pytest.mark.parametrize("custom", [False, True])
+def test_options_of_the_wrong_type_are_refused_for_every_kind_of_loader(
+    options: Dict[str, Any], message: str, custom: bool
+) -> None:
+    """Also for default samplers, which go to torch's DistributedSampler: it would read shuffle="no" as true."""
+    loader = DataLoader(list(range(8)), batch_sampler=[[i] for i in range(8)]) if custom else DataLoader(range(8), 2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        patch_dataloader_to_ddp(loader, 2, 0, **options)
+
+
+
+def test_numpy_options_deal_a_default_sampler_as_python_ones_do() -> None:
+    def share(**options: Any) -> List[List[int]]:
+        return [batch.tolist() for batch in patch_dataloader_to_ddp(DataLoader(range(16), 2), 2, 0, **options)]
+
+    assert share(shuffle=np.bool_(True), seed=np.int64(3)) == share(shuffle=True, seed=3) != share(shuffle=False)

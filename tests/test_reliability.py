@@ -264,18 +264,23 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     command = [sys.executable, str(SCRIPTS / "reliability_resume_edges.py"), str(out)]
     (code, log), = finish_jobs({"job": start_job(command, out, job_env())}, out).values()
     assert code == 0, log[-4000:]
-    runs = ("limited", "limited_first", "limited_resumed", "cycled", "cycled_first", "cycled_resumed")
+    runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
+            "cycled_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("run,loaders", [("limited", ["only"]), ("cycled", ["a", "b"])])
+@pytest.mark.parametrize(
+    "run,resumed,loaders",
+    [("limited", "resumed", ["only"]), ("limited", "resumed_with_workers", ["only"]), ("cycled", "resumed", ["a", "b"])],
+)
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
-    resume_edge_runs: Dict[str, List[Dict[str, Any]]], run: str, loaders: List[str]
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]], run: str, resumed: str, loaders: List[str]
 ) -> None:
     """A checkpoint at the last batch of an epoch that limit_train_batches shortens: Lightning starts the next
     epoch when it resumes, which must be trained whole (its first batches were skipped, as if the resume were
-    inside it). A loader that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass."""
+    inside it), also by a loader with workers, whose iterator reads the sampler as soon as it is made. A loader
+    that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass."""
     if run == "limited" and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
             "this Lightning (no restart stages in its training epoch loop, as in 2.2) re-runs the batch whose"
@@ -286,7 +291,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         for loader in loaders:
             key = f"train/{loader}"
             whole = resume_edge_runs[run][rank]["seen"][key]
-            parts = resume_edge_runs[f"{run}_first"][rank]["seen"][key] + resume_edge_runs[f"{run}_resumed"][rank]["seen"][key]
+            parts = resume_edge_runs[f"{run}_first"][rank]["seen"][key] + resume_edge_runs[f"{run}_{resumed}"][rank]["seen"][key]
             assert parts == whole, f"rank {rank}, loader {loader}: interrupted and resumed {parts} != {whole}"
 
 

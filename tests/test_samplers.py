@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from lightning_ddp_ext import _store, samplers
+from lightning_ddp_ext import _store
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
@@ -25,6 +25,7 @@ from lightning_ddp_ext.samplers import (
     _PlanSpan,
     _python_window_plan,
     _sampled_block_ends,
+    _serial_randperm,
     _window_permutations,
 )
 
@@ -399,17 +400,6 @@ def test_numpy_integers_and_bools_are_accepted_as_options() -> None:
     assert type(wrapper.shuffle_window) is int and type(wrapper.seed) is int and len(list(wrapper)) == 4
 
 
-def test_whole_epoch_shuffle_longer_than_a_window_may_be_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A whole-epoch shuffle is one window spanning the epoch, so it has the windows' limit (2**31 positions,
-    lowered here to 8): past it every rank raises before reading, and the message names the streaming way out."""
-    monkeypatch.setattr(samplers, "_MAX_WINDOW", 8)
-    for rank in range(2):
-        with pytest.raises(ValueError, match=r"at most 8 positions, and list yields 9 item.*Pass shuffle_window=K"):
-            next(iter(DistributedBatchSamplerWrapper([[i] for i in range(9)], 2, rank, shuffle=True)))
-    shares = [list(DistributedBatchSamplerWrapper([[i] for i in range(8)], 2, rank, shuffle=True)) for rank in range(2)]
-    assert sorted(shares[0] + shares[1]) == [[i] for i in range(8)]
-
-
 def test_a_resume_skips_in_the_first_iteration_that_reads_and_only_in_its_epoch() -> None:
     """resume_within_epoch(e, n) skips n items of the first iteration that reads anything, if it reads epoch e:
     a loop may make an iterator and finish that epoch without it (its checkpoint was at the epoch's end), then
@@ -428,6 +418,33 @@ def test_a_resume_skips_in_the_first_iteration_that_reads_and_only_in_its_epoch(
     assert list(wrapper) == next_epoch  # the stale resume was dropped
     with pytest.raises(ValueError, match=r"done must be in \[0, 6\]"):
         wrapper.resume_within_epoch(1, 7)
+
+
+def test_the_whole_epoch_permutation_is_torchs_drawn_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole-epoch shuffle is torch.randperm seeded by seed + epoch (the same sequences as before it was
+    drawn on one thread), and the thread count is restored after it, also when randperm fails."""
+    threads = torch.get_num_threads()
+    wrapper = DistributedBatchSamplerWrapper([[i] for i in range(100_000)], 2, 1, shuffle=True, seed=4)
+    wrapper.set_epoch(3)
+    expected = torch.randperm(100_000, generator=torch.Generator().manual_seed(7))[1::2].tolist()
+    assert [batch[0] for batch in wrapper] == expected and torch.get_num_threads() == threads
+    with pytest.raises(RuntimeError):
+        _serial_randperm(-1, torch.Generator())
+    assert torch.get_num_threads() == threads
+    seen_threads = []
+    real_randperm = torch.randperm
+
+    def recording_randperm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen_threads.append(torch.get_num_threads())
+        return real_randperm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", recording_randperm)
+    torch.set_num_threads(2)  # as on a machine with cores to spare
+    try:
+        _serial_randperm(10, torch.Generator())
+        assert seen_threads == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_empty_sampler() -> None:

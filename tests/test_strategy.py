@@ -4,11 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
 from distributed_helpers import run_python, single_rank_in_this_process
 from lightning.pytorch.strategies import StrategyRegistry
+from packaging.version import Version
 from scenarios import (
     DATASET_SIZE,
     CountingDDP,
@@ -201,6 +203,8 @@ class SelfShardingPredictor(Predictor):
 
 def test_a_custom_batch_sampler_sharded_in_predict_dataloader_predicts_each_sample_once(tmp_path: Path) -> None:
     """Lightning does not deal custom batch samplers in predict; the documented recipe does, unpadded."""
+    if Version(lightning.__version__) < Version("2.3"):
+        pytest.skip("Lightning before 2.3 refuses, in predict, any batch sampler that does not subclass BatchSampler")
     trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs())
     trainer.predict(SelfShardingPredictor(str(tmp_path)), return_predictions=False)
     ranks = read_ranks(str(tmp_path), 2)
@@ -399,3 +403,102 @@ def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> 
     assert order(1, shuffle=False, shuffle_batches_between_ranks=True, shuffle_window=2) == list(range(16))
     with pytest.raises(ValueError, match="seed must be an integer or None, got 1.5"):
         CustomDDP(seed=1.5)  # type: ignore[arg-type]
+
+
+class SeededPerRank(Recorder):
+    """Seeds each rank differently, as users do to vary augmentation."""
+
+    def setup(self, stage: str) -> None:
+        pl.seed_everything(100 + self.global_rank)
+
+
+def test_ranks_seeded_differently_still_deal_disjoint_shares_of_a_plain_loader(tmp_path: Path) -> None:
+    """The default seed is rank 0's seed_everything seed: per-rank seeds would give each rank's DistributedSampler
+    another permutation, so the shares would overlap and miss samples, silently."""
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    trainer.fit(SeededPerRank(str(tmp_path)), DataLoader(IndexDataset(), batch_size=4, shuffle=True))
+    shares = [[i for _, batch in report["seen"]["train/only"] for i in batch] for report in read_ranks(str(tmp_path), 2)]
+    assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE))
+
+
+class EmptyValidation(OrderRecorder):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        raise AssertionError("an empty validation split has no batch")
+
+
+def test_an_empty_plain_validation_split_is_skipped_as_stock_lightning_does() -> None:
+    """An empty split under a plain loader gets 0 batches (Lightning warns), it does not fail the fit."""
+    model = EmptyValidation()
+    with single_rank_in_this_process(free_port()):
+        trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+        data = TensorDataset(torch.arange(8.0).unsqueeze(1))
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(TensorDataset(torch.empty(0, 1)), batch_size=4))
+    assert trainer.state.finished and sorted(model.order) == list(range(8))
+
+
+class StopHere(Exception):
+    """Ends a fit where a test wants it, after a checkpoint."""
+
+
+class Crashing(pl.LightningModule):
+    """Records its batches; with ``crash_at`` = (hook, batch index), saves a checkpoint there in epoch 0 and stops,
+    as OnExceptionCheckpoint does after a failure in that hook."""
+
+    def __init__(self, checkpoint: Path, crash_at: Optional[tuple] = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.checkpoint, self.crash_at = checkpoint, crash_at
+        self.seen: List[List[int]] = []
+
+    def _maybe_stop(self, hook: str, batch_idx: int) -> None:
+        if self.crash_at == (hook, batch_idx) and self.current_epoch == 0:
+            self.trainer.save_checkpoint(self.checkpoint)
+            raise StopHere
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._maybe_stop("on_train_batch_start", batch_idx)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._maybe_stop("training_step", batch_idx)
+        self.seen.append(batch[0].flatten().long().tolist())
+        return self.net(batch[0].float()).sum()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._maybe_stop("on_train_batch_end", batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "training_step", "on_train_batch_end"])
+def test_a_checkpoint_during_the_last_batch_of_an_epoch_resumes_like_the_uninterrupted_run(
+    tmp_path: Path, hook: str
+) -> None:
+    """Lightning marks the last batch when it fetches it: a checkpoint written before that batch's step ended
+    re-runs it (the epoch is not over), one written after it starts the next epoch. Either way the resumed
+    run trains the batches the uninterrupted one trains, in the same order."""
+    if hook == "on_train_batch_end" and not hasattr(_compat_training_epoch_loop(), "restarted_on_train_batch_end"):
+        pytest.skip("this Lightning re-runs the batch whose on_train_batch_end wrote the checkpoint")
+    checkpoint = tmp_path / "stop.ckpt"
+
+    def fit(model: Crashing, **fit_options: Any) -> List[List[int]]:
+        with single_rank_in_this_process(free_port()):
+            trainer = pl.Trainer(
+                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3), **trainer_kwargs(devices=1, max_epochs=2)
+            )
+            data = TensorDataset(torch.arange(8).unsqueeze(1))
+            try:
+                trainer.fit(model, DataLoader(data, batch_sampler=[[0, 1], [2, 3], [4, 5], [6, 7]]), **fit_options)
+            except StopHere:
+                pass
+        return model.seen
+
+    whole = fit(Crashing(checkpoint))
+    first = fit(Crashing(checkpoint, crash_at=(hook, 3)))
+    assert fit(Crashing(checkpoint), ckpt_path=checkpoint) == whole[len(first):]
+
+
+def _compat_training_epoch_loop() -> type:
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return _TrainingEpochLoop

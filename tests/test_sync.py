@@ -584,6 +584,7 @@ def test_gather_in_order_locally_sorts_and_drops_repeats() -> None:
         (torch.arange(3.0), [0, 1], None, ["3 values", "2 indices"]),
         (torch.arange(2.0), [0.0, 1.0], None, ["1-D integer tensor", "torch.float32"]),
         (torch.arange(4.0), [[0, 1], [2, 3]], None, ["indices holds 2 batches", "torch.cat"]),
+        (torch.arange(2.0), [5, 2**70], None, ["1-D integer tensor", "does not fit in 64 bits"]),
         (torch.arange(4.0), torch.arange(4).reshape(2, 2), None, ["1-D integer tensor", "(2, 2)", "torch.cat"]),
         ([torch.zeros(2, 3)] * 2, [torch.arange(2), torch.arange(2, 4)], None, ["indices holds 2 batches"]),
         ([torch.zeros(2, 3)] * 2, torch.arange(4), None, ["2 values but 4 indices", "per-batch", "torch.cat"]),

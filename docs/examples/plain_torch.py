@@ -57,7 +57,7 @@ def worker(rank: int, rendezvous: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     wrapper = train_loader.batch_sampler
     for epoch in range(2):
-        train_loader.batch_sampler.sampler.set_epoch(epoch)  # works for every loader patch_dataloader_to_ddp returns
+        train_loader.batch_sampler.sampler.set_epoch(epoch)  # works for every loader patch_dataloader_to_ddp shards
         for x, _ in train_loader:
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()

@@ -77,6 +77,7 @@ def job_env(port: Optional[int] = None, **extra: str) -> Dict[str, str]:
     for key in (
         "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
         "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_JOB_NAME",
+        "PL_GLOBAL_SEED", "PL_SEED_WORKERS",  # a seed_everything in the test process seeds the job's samplers
     ):
         env.pop(key, None)
     env["MASTER_ADDR"] = "127.0.0.1"

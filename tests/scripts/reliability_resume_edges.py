@@ -4,7 +4,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
 
 * ``limited``: ``limit_train_batches=4`` of a 6-batch share, 3 epochs; ``limited_first`` stops after step 4
   with a checkpoint there (the limited epoch's last batch, so Lightning starts the next epoch when it resumes);
-  ``limited_resumed`` goes on from it to 3 epochs.
+  ``limited_resumed`` goes on from it to 3 epochs, and so does ``limited_resumed_with_workers``, whose loader
+  has a worker process.
 * ``cycled``: two loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank
   and ``b`` with 2 (restarted when it runs out), one epoch; ``cycled_first`` stops after step 3 (``b`` one
   batch into its second pass) with a checkpoint; ``cycled_resumed`` finishes the epoch from it.
@@ -44,6 +45,10 @@ def limited_loader() -> Any:
     return pk_loader(size=96)  # 12 batches: 6 per rank, of which the limit trains 4
 
 
+def limited_loader_with_workers() -> Any:
+    return pk_loader(size=96, num_workers=1)  # its iterator reads the sampler as soon as it is made
+
+
 def two_loaders() -> Dict[str, Any]:
     return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2)}
 
@@ -54,7 +59,9 @@ if __name__ == "__main__":
     limited = dict(max_epochs=3, limit_train_batches=LIMIT)
     fit(out, "limited", limited_loader, **limited)
     fit(out, "limited_first", limited_loader, stop_at=LIMITED_STOP, **limited)
-    fit(out, "limited_resumed", limited_loader, ckpt_path=checkpoints / f"limited_first-step={LIMITED_STOP}.ckpt", **limited)
+    limited_checkpoint = checkpoints / f"limited_first-step={LIMITED_STOP}.ckpt"
+    fit(out, "limited_resumed", limited_loader, ckpt_path=limited_checkpoint, **limited)
+    fit(out, "limited_resumed_with_workers", limited_loader_with_workers, ckpt_path=limited_checkpoint, **limited)
     fit(out, "cycled", two_loaders, max_epochs=1)
     fit(out, "cycled_first", two_loaders, stop_at=CYCLED_STOP, max_epochs=1)
     fit(out, "cycled_resumed", two_loaders, ckpt_path=checkpoints / f"cycled_first-step={CYCLED_STOP}.ckpt", max_epochs=1)
