@@ -243,13 +243,19 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     ``on_train_batch_end`` counts its own batch as processed but not yet completed). A checkpoint written after
     the step of the epoch's last batch (``limit_train_batches`` counts) is not mid-epoch: Lightning goes on with
     the next epoch, on the iterator it makes while setting up (see :func:`epoch_for_samplers`). Lightning
-    versions without restart stages in their training epoch loop (2.2) first re-run one batch, with any
-    sampler.
+    versions without restart stages in their training epoch loop (2.2) re-run the batch whose
+    ``on_train_batch_end`` wrote the checkpoint, in the middle of an epoch and at its end, with any sampler:
+    the count returned is then the batches they count as completed.
     """
     restarted = _restarted_epoch(trainer)
     if restarted is None or _last_batch_done(restarted[1]):
         return None
-    return restarted[0], int(restarted[1].current.processed)
+    progress = restarted[1].current
+    # Lightning runs the epoch's batches it does not count as done. Loops with restart stages count the batch
+    # whose on_train_batch_end wrote the checkpoint (processed, not yet completed); older ones (2.2) run it
+    # again, so skipping it there would leave them one batch short: no epoch-end validation, no last step.
+    done = progress.processed if hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end") else progress.completed
+    return restarted[0], int(done)
 
 
 def _last_batch_done(batches: Any) -> bool:
