@@ -29,9 +29,9 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     _check_flag,
+    _check_seed,
     _check_shuffle_window,
     _fewer_items_than_ranks,
-    _integer_or_none,
     _resolve_world,
 )
 
@@ -113,8 +113,8 @@ def _check_options(options: Dict[str, Any]) -> None:
     for flag in ("pad", "even_shares") + (("shuffle",) if options.get("shuffle") is not None else ()):
         if flag in options:
             _check_flag(options[flag], flag, _OWNER)
-    if "seed" in options and _integer_or_none(options["seed"]) is None:
-        raise ValueError(f"{_OWNER}: seed must be an integer, got {options['seed']!r}.")
+    if "seed" in options:
+        _check_seed(options["seed"], _OWNER)
     _check_shuffle_window(options.get("shuffle_window"), _OWNER)
 
 

@@ -104,6 +104,15 @@ def _check_shuffle_window(shuffle_window: Optional[int], owner: str) -> Optional
     return window
 
 
+def _check_seed(seed: Any, owner: str) -> int:
+    """``seed`` as an int (a numpy or torch integer too); a ValueError naming ``owner`` for anything else, which
+    would only fail at the first epoch, in torch's words (it seeds a generator with ``seed + epoch``)."""
+    checked = _integer_or_none(seed)
+    if checked is None:
+        raise ValueError(f"{owner}: seed must be an integer, got {seed!r}.")
+    return checked
+
+
 def _check_flag(value: Any, name: str, owner: str) -> bool:
     """``value`` as a bool (a numpy bool too); a ValueError naming ``owner`` for anything else, so that a
     string such as ``"no"`` is not taken as true."""
@@ -145,10 +154,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             )
         shuffle_window = _check_shuffle_window(shuffle_window, owner)
         shuffle, pad = _check_flag(shuffle, "shuffle", owner), _check_flag(pad, "pad", owner)
-        checked_seed = _integer_or_none(seed)
-        if checked_seed is None:  # it seeds a torch.Generator with seed + epoch at every epoch
-            raise ValueError(f"{owner}: seed must be an integer, got {seed!r}.")
-        seed = checked_seed
+        seed = _check_seed(seed, owner)
         self.source = source
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
         if shuffle_window is not None and shuffle_window * self.num_replicas > _MAX_WINDOW:
