@@ -32,6 +32,7 @@ from lightning_ddp_ext.samplers import (
     _check_seed,
     _check_shuffle_window,
     _fewer_items_than_ranks,
+    _nothing_to_deal,
     _resolve_world,
 )
 
@@ -118,15 +119,26 @@ def _check_options(options: Dict[str, Any]) -> None:
     _check_shuffle_window(options.get("shuffle_window"), _OWNER)
 
 
+def _plainly_batched_sampler(loader: DataLoader) -> Optional[Sampler[Any]]:
+    """The index sampler of a loader batched by torch's plain ``BatchSampler`` (or not batched at all); None when
+    a batch sampler of another kind makes the batches.
+
+    With ``DataLoader(batch_sampler=BatchSampler(...))``, ``loader.sampler`` is a default SequentialSampler: the
+    batch sampler's own sampler is the one that draws."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        return loader.sampler  # type: ignore[return-value]
+    if type(batch_sampler) is BatchSampler:
+        return batch_sampler.sampler  # type: ignore[return-value]
+    return None
+
+
 def uses_default_sampler(loader: DataLoader) -> bool:
     """Whether ``loader`` draws with a default sampler (sequential, or a plain permutation, of its own dataset,
     batched by torch's plain ``BatchSampler`` or not at all): the loaders :func:`patch_dataloader_to_ddp` deals
     like torch's ``DistributedSampler``."""
-    batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return False
-    sampler: Sampler[Any] = loader.sampler if batch_sampler is None else batch_sampler.sampler  # type: ignore
-    return _is_default_sampler(sampler, loader.dataset)
+    sampler = _plainly_batched_sampler(loader)
+    return sampler is not None and _is_default_sampler(sampler, loader.dataset)
 
 
 def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: Dict[str, Any]) -> Sampler[Any]:
@@ -139,10 +151,7 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
     world, pad = wrapper_kwargs["num_replicas"], wrapper_kwargs.get("pad", True)
     size = len(dataset)
     if size == 0:
-        raise ValueError(
-            f"{type(dataset).__name__} is empty (len() == 0): there is nothing to deal out among {world} ranks."
-            " Check the dataset and the sampler's arguments."
-        )
+        raise _nothing_to_deal(type(dataset).__name__, world)
     shuffle = wrapper_kwargs.get("shuffle")
     shuffle = type(sampler) is RandomSampler if shuffle is None else bool(shuffle)
     if wrapper_kwargs.get("shuffle_window") is not None or not wrapper_kwargs.get("even_shares", True):
@@ -258,14 +267,13 @@ def patch_dataloader_to_ddp(
     carried = _carried_arguments(loader)
     dataset = loader.dataset
     batch_sampler = loader.batch_sampler
-    plain_batching = batch_sampler is None or type(batch_sampler) is BatchSampler
-    if not plain_batching:
+    sampler = _plainly_batched_sampler(loader)
+    if sampler is None:
         new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
 
-    # The batch sampler's own sampler, size and drop_last: with DataLoader(batch_sampler=BatchSampler(...)),
-    # loader.sampler is a default SequentialSampler and loader.batch_size is None.
-    sampler: Sampler[Any] = loader.sampler if batch_sampler is None else batch_sampler.sampler  # type: ignore
+    # The batch sampler's own size and drop_last: with DataLoader(batch_sampler=BatchSampler(...)),
+    # loader.batch_size is None.
     new_sampler: Sampler[Any]
     if _is_default_sampler(sampler, dataset):
         new_sampler = _deal_default_sampler(sampler, dataset, wrapper_kwargs)

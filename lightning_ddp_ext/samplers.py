@@ -121,6 +121,14 @@ def _check_flag(value: Any, name: str, owner: str) -> bool:
     return bool(value)
 
 
+def _nothing_to_deal(name: str, world: int) -> ValueError:
+    """The error for an empty sampler or dataset ``name``, which would give each of ``world`` ranks nothing."""
+    return ValueError(
+        f"{name} is empty (len() == 0): there is nothing to deal out among {world} ranks. Check the dataset and"
+        " the sampler's arguments."
+    )
+
+
 def _fewer_items_than_ranks(what: str, world: int) -> ValueError:
     """The error for ``pad=False`` with fewer items than ranks; ``what`` says what has how many items."""
     return ValueError(
@@ -182,10 +190,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def _declared_length(self) -> int:
         length = len(self.source)  # type: ignore[arg-type]
         if length < 1:
-            raise ValueError(
-                f"{self._source_name} is empty (len() == 0): there is nothing to deal out among"
-                f" {self.num_replicas} ranks. Check the dataset and the sampler's arguments."
-            )
+            raise _nothing_to_deal(self._source_name, self.num_replicas)
         return length
 
     def _plan(self, length: int) -> int:
