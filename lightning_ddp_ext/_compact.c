@@ -801,9 +801,34 @@ compact_window_permutations(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* exact_int_tuple(item): item's indices as a tuple of the same int objects when item is an exact list or tuple
+ * of exact ints, else None: the key the sequence digest hashes (consistency.RunningDigest), without a Python
+ * step per index. The caller's Python path handles everything else, with the same result or error. */
+static PyObject *
+compact_exact_int_tuple(PyObject *module, PyObject *item)
+{
+    Py_ssize_t size = 0;
+    PyObject **items = sequence_items(item, &size);  /* NULL for an empty list too: () either way */
+    if (items == NULL && !(PyList_CheckExact(item) || PyTuple_CheckExact(item))) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_NONE;
+        }
+    }
+    if (PyTuple_CheckExact(item)) {
+        Py_INCREF(item);
+        return item;
+    }
+    return PyList_AsTuple(item);
+}
+
 static PyMethodDef compact_functions[] = {
     {"window_permutations", compact_window_permutations, METH_VARARGS,
      PyDoc_STR("window_permutations(seed, first, count, size, stride, out): the windows' permutations, into out")},
+    {"exact_int_tuple", compact_exact_int_tuple, METH_O,
+     PyDoc_STR("exact_int_tuple(item): tuple(item) if item is an exact list or tuple of exact ints, else None")},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.distributed as dist
 
+from lightning_ddp_ext import _store
+
 __all__ = ["SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence"]
 
 #: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
@@ -85,6 +87,11 @@ class RunningDigest:
         return lambda item: self.include((item,), next(upcoming))
 
     def _key(self, item: Any, position: int) -> Any:
+        compact = _store._compact
+        if self._batched and compact is not None:  # the common batch, a list of ints, without a Python step per
+            key = compact.exact_int_tuple(item)  # index: the same tuple as below (the head's 64 batches: -45 us)
+            if key is not None:
+                return key
         try:
             if self._batched:
                 if isinstance(item, (str, bytes)):

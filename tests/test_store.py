@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
+from lightning_ddp_ext.consistency import RunningDigest
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _numpy_window_permutations
 
 
@@ -152,6 +153,31 @@ def test_shuffles_are_the_same_on_both_paths(
     compiled = deal()
     monkeypatch.setattr(_store, "_compact", None)
     assert deal() == compiled
+
+
+def test_the_digest_hashes_the_same_keys_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest's key for a batch: the helper makes it for exact lists and tuples of exact ints; everything
+    else, and every rank without the helper, takes the Python path. Both must give equal keys (so equal
+    digests across builds) and the same error for an item that is not a batch of indices."""
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+    batches: List[Any] = [[3, 1, 2], (4, 5), [], (), [True, 2], [np.int64(7), 8], np.array([1, 2]), [2**70], range(3)]
+    errors: List[Any] = ["ab", [1.5], [None, 1], (2, "3")]
+
+    def keys_and_errors() -> List[Any]:
+        digest = RunningDigest("Sampler", 0, len(batches), batched=True)
+        outcome: List[Any] = [digest._key(batch, position) for position, batch in enumerate(batches)]
+        for item in errors:
+            with pytest.raises(TypeError) as raised:
+                digest._key(item, 5)
+            outcome.append(str(raised.value))
+        digest.update(batches, 0)
+        return [*outcome, digest.snapshot()]
+
+    compiled = keys_and_errors()
+    assert compiled[0] == (3, 1, 2) and compiled[3] == ()
+    monkeypatch.setattr(_store, "_compact", None)
+    assert keys_and_errors() == compiled
 
 
 class Declared:
