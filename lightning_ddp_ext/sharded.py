@@ -292,8 +292,9 @@ def _reduce_added_parameters(wrapper: Module) -> None:
 # ---------------------------------------------------------------------------------------------- precision
 def rank_synchronised_scaler(
     scaler: Optional[torch.amp.GradScaler], device: str, group: Optional[Any] = None
-) -> "ShardedGradScaler":
-    """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler is returned as is).
+) -> torch.amp.GradScaler:
+    """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler, or a disabled scaler, is returned
+    as is: ``GradScaler(enabled=False)`` means no loss scaling, and stays so).
 
     With gradients sharded, each rank checks only its own shard for inf/NaN. A plain GradScaler then lets one
     rank skip ``optimizer.step()`` while the others step and broadcast their shards: ranks diverge or hang.
@@ -302,10 +303,10 @@ def rank_synchronised_scaler(
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    if isinstance(scaler, ShardedGradScaler):
-        return scaler
+    if isinstance(scaler, ShardedGradScaler) or (scaler is not None and not scaler.is_enabled()):
+        return scaler  # a disabled scaler checks nothing, so there is nothing for the ranks to agree on
     settings: Dict[str, Any] = {}
-    if scaler is not None and scaler.is_enabled():  # a disabled one (CUDA's on a CPU machine) has no settings
+    if scaler is not None:
         settings.update(
             init_scale=scaler.get_scale(),
             growth_factor=scaler.get_growth_factor(),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import AbstractSet, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -57,8 +57,8 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
         group: The process group to gather over; the default group if ``None``.
 
     Returns:
-        The merged dict, the same on every rank. ``d`` itself when there is no initialised process group or a
-        world size of 1.
+        The merged dict, the same on every rank. ``d`` itself when there is no initialised process group, a world
+        size of 1, or this rank is not in ``group`` (it takes no part, as in torch's own collectives).
 
     Raises:
         ValueError: If ranks disagree on keys, on the kind of value under a key, or on the trailing shape or
@@ -109,14 +109,15 @@ def gather_in_order(
         ValueError: If ``values`` and ``indices`` differ in length, indices are not 1-D integers (per-batch
             lists included), ranks pass values of different kinds, trailing shapes or dtypes, one index
             carries two different values, or, with ``dataset_size``, an index is missing or out of range.
-        TypeError: If ``values`` is no sequence, an index is no number, or a value cannot be sent.
+        TypeError: If ``values`` is no sequence (a dict or a set is not one), an index is no number, a value
+            cannot be sent, or two values of a repeated index cannot be compared.
         Either is raised on every rank, naming the rank when only some ranks passed bad input.
     """
     problem: Optional[Exception] = None
     try:
         index = _as_index_tensor(indices)
         local: Dict[str, Any] = {"values": _per_sample(values, index.numel()), "indices": index}
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # this rank's alone: it travels to the others with the first exchange
         local, problem = {}, error
     ranks, _ = _ranks_to_gather(None, group)
     if ranks > 1:
@@ -132,14 +133,16 @@ def gather_in_order(
 def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[int, Optional[ValueError]]:
     """How many ranks to gather over (1: nothing to gather), and what is wrong with ``world_size``, if anything.
 
-    ``world_size=1`` or no initialised process group means 1; a ``world_size`` other than the group's is
-    checked only where there is a group to check it against.
+    ``world_size=1``, no initialised process group, or a rank outside ``group`` means 1; a ``world_size`` other
+    than the group's is checked only where there is a group to check it against.
     """
     initialized = dist.is_available() and dist.is_initialized()
     ranks = 1 if world_size == 1 or not initialized else dist.get_world_size(group)
+    member = ranks >= 1  # torch says -1 for a rank outside `group`: it takes no part, as in torch's collectives
+    ranks = max(ranks, 1)
     if world_size is not None and world_size < 1:
         return ranks, ValueError(f"world_size must be at least 1, got {world_size}")
-    if initialized and world_size not in (None, 1, ranks):
+    if initialized and member and world_size not in (None, 1, ranks):
         return ranks, ValueError(f"world_size={world_size} but the process group has {ranks} ranks")
     return ranks, None
 
@@ -168,9 +171,9 @@ def _exchange(
             leaves = _flatten(d)
             tensors = [v for v in leaves.values() if isinstance(v, torch.Tensor)]  # tensor leaves first
             header, skeletons = _pickle_schema(leaves, tensors, caller)  # appends the tensors inside other values
-        except TypeError as error:
-            problem = error
-    report = None if problem is None else (TypeError if isinstance(problem, TypeError) else ValueError, str(problem))
+        except Exception as error:  # whatever fails here fails on this rank only: report it, never leave the others
+            problem = error  # waiting in the next collective
+    report = None if problem is None else (_reported_type(problem), str(problem))
     sent = _all_gather_object((report, header, skeletons), ranks, group)
     _raise_reported([r for r, _, _ in sent])
 
@@ -204,9 +207,9 @@ def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor], caller
     """
     skeletons = {p: _extract(v, tensors) for p, v in leaves.items() if not isinstance(v, torch.Tensor)}
     for path, value in leaves.items():
-        layouts = {t.layout for t in _tensors_in(value)} - {torch.strided}
+        layouts = {_layout(t) for t in _tensors_in(value)} - {str(torch.strided)}
         if layouts:
-            raise TypeError(f"{caller} can only send dense tensors, got {sorted(map(str, layouts))} in {_name(path)}")
+            raise TypeError(f"{caller} can only send dense tensors, got {sorted(layouts)} in {_name(path)}")
     kinds = {p: _kind(v) for p, v in leaves.items()}
     metas: List[_Meta] = [(tuple(t.shape), t.dtype) for t in tensors]
     try:
@@ -215,6 +218,19 @@ def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor], caller
         bad = [_name(p) for p in leaves if not _picklable((p, skeletons.get(p)))]
         where = f" under {_listing(bad)}" if bad else ""
         raise TypeError(f"{caller} cannot pickle the value{where}: {error}") from error
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    """What kind of tensor ``tensor`` is, as far as sending its bytes goes: only ``torch.strided`` can be sent."""
+    if tensor.is_nested or tensor.is_quantized or tensor.is_meta:
+        return "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else "meta"
+    return str(tensor.layout)
+
+
+def _reported_type(problem: Exception) -> Type[Exception]:
+    """The type every rank raises for ``problem``: TypeError and ValueError as they are, anything else (torch's
+    own errors for a tensor it cannot describe) as RuntimeError."""
+    return next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), RuntimeError)
 
 
 def _picklable(obj: Any) -> bool:
@@ -356,17 +372,30 @@ def _kind(value: Any) -> str:
 
 
 def _extract(value: Any, tensors: List[torch.Tensor]) -> Any:
-    """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot."""
+    """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot.
+
+    Those containers are rebuilt as plain ones; a subclass without tensors inside (``torch.Size``, an
+    ``OrderedDict`` of numbers) is left whole, so it keeps its type."""
     kind = _kind(value)
     if kind == "tensor":
         tensors.append(value)
         return _Slot(len(tensors) - 1)
+    if type(value) not in (list, tuple, dict) and not _holds_tensor(value):
+        return value
     if kind in ("list", "tuple"):
         items = [_extract(v, tensors) for v in value]
         return items if kind == "list" else tuple(items)
     if kind == "dict":
         return {k: _extract(v, tensors) for k, v in value.items()}
     return value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(map(_holds_tensor, value.values()))
+    return isinstance(value, (list, tuple)) and any(map(_holds_tensor, value))
 
 
 def _restore(skeleton: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
@@ -550,7 +579,7 @@ def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union
             "gather_in_order needs values with a sample dimension, got a 0-dim tensor; for one sample pass "
             "values.reshape(1)"
         )
-    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes)):
+    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, AbstractSet)):
         raise TypeError(
             "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
             f"per-sample objects, got {type(values).__name__}"
@@ -633,7 +662,8 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly."""
+    """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly; dicts,
+    lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -642,4 +672,14 @@ def _same(a: Any, b: Any) -> bool:
         return bool(_close_rows(a.reshape(1, -1), b.reshape(1, -1).to(a.device)).item())
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
-    return bool(a == b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    try:
+        return bool(a == b)
+    except Exception as error:  # an object whose == is not a truth value (a dataclass of tensors)
+        raise TypeError(
+            f"gather_in_order cannot compare two values of a repeated index ({type(a).__name__}: {error}); make"
+            " each per-sample value a tensor, or a dict, list or tuple of tensors and plain values"
+        ) from error

@@ -464,6 +464,8 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     scaler = rank_synchronised_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7), "cpu")
     assert isinstance(scaler, ShardedGradScaler) and rank_synchronised_scaler(scaler, "cpu") is scaler
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (1024.0, 7)
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    assert rank_synchronised_scaler(disabled, "cpu") is disabled  # no loss scaling stays none: nothing to agree on
 
     # every setup (fit, test, another Trainer's) replaces the save guard's group: one at a time, kept after teardown
     from lightning.fabric.plugins.environments import LightningEnvironment

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -203,6 +205,9 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     index = _sampler_indices(rank, world_size)
     results["order_tensor"] = gather_in_order(_value_of(index), index, dataset_size=DATASET)
     results["order_objects"] = gather_in_order([f"s{i}" for i in index.tolist()], index.tolist(), DATASET)
+    per_sample_dicts = [{"emb": _value_of(torch.tensor([i]))[0], "id": i} for i in index.tolist()]
+    results["order_dicts"] = _attempt(lambda: gather_in_order(per_sample_dicts, index, DATASET))
+    results["subclasses"] = sync_dicts({"shape": [torch.Size([2, rank])], "od": [OrderedDict(b=rank, a=1)]})
     start = sum(ROWS[:rank])
     uneven = torch.arange(start, start + ROWS[rank]).flip(0)  # reversed, and empty on rank 1
     results["order_uneven"] = gather_in_order(_value_of(uneven), uneven, dataset_size=sum(ROWS[:world_size]))
@@ -264,10 +269,20 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         ),
         "str_indices": lambda: gather_in_order(torch.zeros(2), ["a", "b"] if bad else [2, 3]),
         "unpicklable_values": lambda: gather_in_order([(lambda: 0) if bad else 1], [rank]),
+        "nested": lambda: sync_dicts({"t": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else 1}),
+        "nested_values": lambda: gather_in_order(
+            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else torch.ones(2, 2), [2 * rank, 2 * rank + 1]
+        ),
+        "dict_values": lambda: gather_in_order({"a": 0, "b": 1} if bad else [0, 1], [2 * rank, 2 * rank + 1]),
     }
+    alone = dist.new_group([0])  # every rank must create it; rank 1 is outside it
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
         "after_errors": sync_dicts({"rank": rank}),
+        "outside_group": (
+            _attempt(lambda: sync_dicts({"rank": [rank]}, group=alone)),
+            _attempt(lambda: gather_in_order(torch.tensor([3.0, 2.0]), [1, 0], group=alone)),
+        ),
     }
 
 
@@ -481,6 +496,9 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("per_batch_values", "ValueError", ["gather_in_order", "2 values but 4 indices", "torch.cat"]),
         ("str_indices", "TypeError", ["gather_in_order", "sequence of ints", "str at position 0"]),
         ("unpicklable_values", "TypeError", ["gather_in_order cannot pickle", "'values'"]),
+        ("nested", "TypeError", ["sync_dicts can only send dense tensors", "nested", "'t'"]),
+        ("nested_values", "RuntimeError", ["NestedTensor"]),  # torch's own words, on every rank
+        ("dict_values", "TypeError", ["gather_in_order: values must be", "got dict"]),
     ],
 )
 def test_one_ranks_bad_call_raises_on_every_rank(
@@ -501,6 +519,32 @@ def test_one_ranks_bad_call_raises_on_every_rank(
 def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[str, Any]]) -> None:
     for results in lone_bad_calls:
         assert results["after_errors"] == {"rank": [0, 1]}
+
+
+def test_a_rank_outside_the_group_gets_its_own_values(lone_bad_calls: List[Dict[str, Any]]) -> None:
+    """As in torch's collectives, a rank that is not in ``group`` takes no part (torch's world size is -1 there)."""
+    for rank, results in enumerate(lone_bad_calls):
+        merged, ordered = results["outside_group"]
+        assert merged == {"rank": [rank]}, f"rank {rank}: {merged}"
+        _assert_same(ordered, torch.tensor([2.0, 3.0]), f"rank {rank}")
+
+
+def test_per_sample_dicts_of_tensors_drop_their_padded_repeats(per_rank: List[Dict[str, Any]]) -> None:
+    """A repeated index's two dicts are compared key by key, tensors within rounding (not with ``==``, which is
+    no truth value for a tensor of several elements)."""
+    for results in per_rank:
+        ordered = results["order_dicts"]
+        assert [sample["id"] for sample in ordered] == list(range(DATASET)), ordered
+        _assert_same(torch.stack([sample["emb"] for sample in ordered]), _value_of(torch.arange(DATASET)))
+
+
+def test_container_subclasses_without_tensors_keep_their_type(per_rank: List[Dict[str, Any]]) -> None:
+    for results in per_rank:
+        shapes, ordered_dicts = results["subclasses"]["shape"], results["subclasses"]["od"]
+        assert [type(shape) for shape in shapes] == [torch.Size] * len(per_rank), shapes
+        assert shapes == [torch.Size([2, rank]) for rank in range(len(per_rank))]
+        assert [type(od) for od in ordered_dicts] == [OrderedDict] * len(per_rank), ordered_dicts
+        assert [list(od) for od in ordered_dicts] == [["b", "a"]] * len(per_rank)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -560,6 +604,34 @@ def test_sync_dicts_in_a_group_of_one_returns_its_input(tmp_path: Any) -> None:
         assert str(raised.value) == NOT_A_DICT
     finally:
         dist.destroy_process_group()
+
+
+@dataclass
+class _Prediction:
+    embedding: torch.Tensor
+
+
+@pytest.mark.usefixtures("no_process_group")
+def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
+    """Per-sample dicts, lists and tuples of tensors: repeats compared item by item (rounding allowed in tensors);
+    an object whose ``==`` is no truth value gets an error that says what to pass instead."""
+    rounded = torch.nextafter(torch.ones(3), torch.full((3,), 2.0))
+    values = [{"emb": torch.ones(3), "id": 5}, ([torch.zeros(2)], 1), {"emb": rounded, "id": 5}, ([torch.zeros(2)], 1)]
+    assert gather_in_order(values, [5, 1, 5, 1]) == [values[1], values[0]]
+    with pytest.raises(ValueError, match="different values for the same index: 5"):
+        gather_in_order([{"emb": torch.ones(3)}, {"emb": torch.zeros(3)}], [5, 5])
+    with pytest.raises(ValueError, match="different values for the same index: 5"):
+        gather_in_order([{"emb": torch.ones(3)}, {"emb": torch.ones(3), "id": 5}], [5, 5])
+    with pytest.raises(TypeError, match="cannot compare two values of a repeated index .*_Prediction.*tensor"):
+        gather_in_order([_Prediction(torch.ones(3)), _Prediction(torch.ones(3))], [5, 5])
+
+
+@pytest.mark.usefixtures("no_process_group")
+@pytest.mark.parametrize("values", [{"emb": torch.zeros(2, 3), "y": torch.zeros(2)}, {"b", "a"}])
+def test_gather_in_order_locally_refuses_dicts_and_sets(values: Any) -> None:
+    """``list()`` of a dict is its keys, of a set an arbitrary order: neither is a sequence of per-sample values."""
+    with pytest.raises(TypeError, match=f"values must be a tensor .* got {type(values).__name__}"):
+        gather_in_order(values, [0, 1])
 
 
 @pytest.mark.usefixtures("no_process_group")
