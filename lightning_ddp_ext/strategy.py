@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 from contextlib import contextmanager, nullcontext
@@ -46,6 +47,12 @@ _WRAPPER_TYPES = (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)
 _SAMPLER_KWARGS = ("num_replicas", "rank", "shuffle", "shuffle_window", "seed", "pad", "drop_last")
 #: The keys of those that Lightning's predict sharding can pass on to torch's samplers.
 _PREDICT_SAMPLER_KWARGS = ("num_replicas", "rank", "seed", "drop_last")
+#: What an overriding ``configure_ddp`` must do, for the errors that catch one that does not.
+_CONFIGURE_DDP_CONTRACT = (
+    "override it as configure_ddp(self, model, device_ids) and return the wrapped model, for example"
+    " `return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)` (assigning self.model, as"
+    " Lightning 1.x's DDPPlugin did, is not enough)."
+)
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -203,8 +210,8 @@ class CustomDDP(DDPStrategy):
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         kwargs: Dict[str, Any] = {"timeout": _compat.process_group_timeout(self)}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device
+        if self.root_device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = self.root_device  # torch 2.3 on: binds the group to the GPU (eager NCCL set-up)
         log.info(f"Initializing distributed: GLOBAL_RANK: {global_rank}, MEMBER: {global_rank + 1}/{world_size}")
         dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)
         atexit.register(_destroy_process_group)
@@ -273,7 +280,22 @@ class CustomDDP(DDPStrategy):
     def _wrap_lightning_model(self) -> None:
         assert self.model is not None
         # Through the class: during `setup` the instance attribute `configure_ddp` is this adapter.
-        self.model = type(self).configure_ddp(self, self.model, self.determine_ddp_device_ids())
+        configure_ddp = type(self).configure_ddp
+        model, device_ids = self.model, self.determine_ddp_device_ids()
+        try:
+            inspect.signature(configure_ddp).bind(self, model, device_ids)
+        except TypeError:  # Lightning 2.x's own signature, configure_ddp(self), which wraps self.model in place
+            raise TypeError(
+                f"{type(self).__name__}.configure_ddp{inspect.signature(configure_ddp)} cannot be called as"
+                f" configure_ddp(model, device_ids): {_CONFIGURE_DDP_CONTRACT}"
+            ) from None
+        wrapped = configure_ddp(self, model, device_ids)
+        if not isinstance(wrapped, Module) or wrapped is model:
+            raise TypeError(
+                f"{type(self).__name__}.configure_ddp(model, device_ids) returned {type(wrapped).__name__}, not a"
+                f" wrapper of the model: {_CONFIGURE_DDP_CONTRACT} Without the wrapper no gradient is synchronised."
+            )
+        self.model = wrapped
         self._register_comm_hook()
 
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
@@ -645,16 +667,37 @@ class CustomDDP(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register :attr:`registry_entries`; names already registered to this class are left alone."""
+        """Register :attr:`registry_entries`; names already registered to this class are left alone.
+
+        A subclass registers names of its own: it must define ``registry_entries`` itself (the inherited ones are
+        its parent's names, which it would take over).
+        """
+        if "registry_entries" not in cls.__dict__:
+            names = [name for name, _ in cls.registry_entries]
+            raise ValueError(
+                f"{cls.__name__}.register_strategies would register {cls.__name__} under its parent's names {names}."
+                f" Give {cls.__name__} names of its own, e.g. registry_entries = (('my_ddp', {{'start_method':"
+                " 'popen'}),), then call register_strategies."
+            )
         for name, init_params in cls.registry_entries:
             entry = dict.get(strategy_registry, name)
             if entry is not None and entry["strategy"] is cls and entry["init_params"] == init_params:
                 continue
+            registered = None if entry is None else entry["strategy"]
+            same_class = registered is not None and (registered.__module__, registered.__qualname__) == (
+                cls.__module__,
+                cls.__qualname__,
+            )  # this class again, or a reloaded copy of its module
+            if registered is not None and not same_class:
+                raise ValueError(
+                    f"Strategy name {name!r} is already registered to {registered.__qualname__}; choose another name"
+                    f" in {cls.__name__}.registry_entries."
+                )
             strategy_registry.register(
                 name,
                 cls,
                 description=f"{cls.__name__} ({cls.__module__}) with {init_params}",
-                override=entry is not None,
+                override=registered is not None,
                 **init_params,
             )
 

@@ -144,6 +144,60 @@ def test_register_is_idempotent() -> None:
     assert {name: dict(StrategyRegistry[name]) for name in before} == before
 
 
+class NoReturnDDP(CustomDDP):
+    """Lightning 1.x's DDPPlugin habit: assign the wrapper, return nothing."""
+
+    def configure_ddp(self, model: torch.nn.Module, device_ids: Optional[List[int]]) -> Any:  # type: ignore[override]
+        self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+class TwoXStyleDDP(CustomDDP):
+    """Lightning 2.x's own DDPStrategy.configure_ddp signature."""
+
+    def configure_ddp(self) -> None:  # type: ignore[override]
+        self.model = torch.nn.parallel.DistributedDataParallel(self.model)
+
+
+@pytest.mark.parametrize(
+    "strategy_class, words",
+    [(NoReturnDDP, "returned NoneType, not a wrapper"), (TwoXStyleDDP, "cannot be called as configure_ddp(model")],
+)
+def test_a_configure_ddp_that_does_not_return_the_wrapper_is_refused(strategy_class: type, words: str) -> None:
+    """Without the check, NoReturnDDP trained with no gradient sync at all (Lightning's model getter falls back to
+    the bare module) and TwoXStyleDDP failed with "takes 1 positional argument but 3 were given"."""
+    with single_rank_in_this_process(free_port()), pytest.raises(TypeError) as raised:
+        trainer = pl.Trainer(strategy=strategy_class(), **trainer_kwargs(devices=1, max_epochs=1))
+        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    message = str(raised.value)
+    assert words in message and "return DistributedDataParallel(model, device_ids=device_ids" in message, message
+
+
+def test_a_subclass_registers_names_of_its_own_only() -> None:
+    """Stock Lightning raises when a subclass re-registers its parent's names; so do we, instead of taking
+    "ddp_custom_sampler" over silently (and never registering the subclass's own name)."""
+
+    class Inheriting(CustomDDP):
+        strategy_name = "my_ddp"
+
+    class OwnNames(CustomDDP):
+        registry_entries = (("my_ddp_for_this_test", {"start_method": "spawn"}),)
+
+    class Taking(CustomDDP):
+        registry_entries = (("ddp_custom_sampler", {"start_method": "popen"}),)
+
+    with pytest.raises(ValueError, match="under its parent's names .*'ddp_custom_sampler'.* registry_entries"):
+        Inheriting.register_strategies(StrategyRegistry)
+    with pytest.raises(ValueError, match="'ddp_custom_sampler' is already registered to CustomDDP"):
+        Taking.register_strategies(StrategyRegistry)
+    assert StrategyRegistry["ddp_custom_sampler"]["strategy"] is CustomDDP
+    OwnNames.register_strategies(StrategyRegistry)
+    try:
+        assert StrategyRegistry["my_ddp_for_this_test"]["strategy"] is OwnNames
+        OwnNames.register_strategies(StrategyRegistry)  # again: left alone
+    finally:
+        StrategyRegistry.remove("my_ddp_for_this_test")
+
+
 def test_backend_selection() -> None:
     assert process_group_backend_for(torch.device("cpu")) == "gloo"
     assert process_group_backend_for(torch.device("cuda", 1)) == "nccl"
