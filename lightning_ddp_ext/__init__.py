@@ -26,9 +26,11 @@ except ModuleNotFoundError as error:  # only a missing Lightning is tolerated, n
     if error.name is None or error.name.split(".")[0] not in ("lightning", "lightning_utilities"):
         raise
     _LIGHTNING_IMPORT_ERROR: ModuleNotFoundError = error
+    _NEEDS_LIGHTNING = ("CustomDDP", "CustomDDPSharded", "register")
+    __all__ = [name for name in __all__ if name not in _NEEDS_LIGHTNING]  # so that `import *` works without it
 
     def __getattr__(name: str) -> object:
-        if name in ("CustomDDP", "CustomDDPSharded", "register"):
+        if name in _NEEDS_LIGHTNING:
             raise ImportError(
                 f"lightning_ddp_ext.{name} needs Lightning 2.x: pip install 'lightning>=2.2,<3'."
             ) from _LIGHTNING_IMPORT_ERROR

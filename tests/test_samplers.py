@@ -490,6 +490,8 @@ def test_sampler_modules_import_without_lightning() -> None:
         "import lightning_ddp_ext.samplers, lightning_ddp_ext.dataloader, lightning_ddp_ext.consistency\n"
         "from lightning_ddp_ext import patch_dataloader_to_ddp, DistributedBatchSamplerWrapper\n"
         "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)\n"
+        "exec('from lightning_ddp_ext import *')  # __all__ lists only what imports without Lightning\n"
+        "assert 'DistributedSamplerWrapper' in dir() and 'CustomDDP' not in dir()\n"
         "try:\n"
         "    from lightning_ddp_ext import CustomDDP\n"
         "except ImportError as e:\n"
