@@ -293,8 +293,8 @@ def _reduce_added_parameters(wrapper: Module) -> None:
 def rank_synchronised_scaler(
     scaler: Optional[torch.amp.GradScaler], device: str, group: Optional[Any] = None
 ) -> torch.amp.GradScaler:
-    """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler, or a disabled scaler, is returned
-    as is: ``GradScaler(enabled=False)`` means no loss scaling, and stays so).
+    """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler, or one disabled for ``device``, is
+    returned as is: ``GradScaler(enabled=False)`` means no loss scaling, and stays so).
 
     With gradients sharded, each rank checks only its own shard for inf/NaN. A plain GradScaler then lets one
     rank skip ``optimizer.step()`` while the others step and broadcast their shards: ranks diverge or hang.
@@ -303,10 +303,16 @@ def rank_synchronised_scaler(
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    if isinstance(scaler, ShardedGradScaler) or (scaler is not None and not scaler.is_enabled()):
-        return scaler  # a disabled scaler checks nothing, so there is nothing for the ranks to agree on
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    # A scaler for another device type disabled itself (Lightning 2.2 makes a CUDA one for "16-mixed" on CPU): a
+    # default ShardedGradScaler stands in. One disabled for this device was the user's choice: no scaling, so
+    # nothing for the ranks to agree on.
+    own_device = scaler is not None and getattr(scaler, "_device", "cuda") == torch.device(device).type
+    if scaler is not None and not scaler.is_enabled() and own_device:
+        return scaler
     settings: Dict[str, Any] = {}
-    if scaler is not None:
+    if scaler is not None and scaler.is_enabled():
         settings.update(
             init_scale=scaler.get_scale(),
             growth_factor=scaler.get_growth_factor(),

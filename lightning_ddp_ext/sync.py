@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
     ranks, problem = _ranks_to_gather(world_size, group)
     if problem is None and not isinstance(d, dict):  # also without a group, so the mistake shows on one process
         problem = TypeError(f"sync_dicts expects a dict, got {type(d).__name__}; wrap it in one: {{'name': value}}")
-    if ranks == 1:
+    if ranks <= 1:
         if problem is not None:
             raise problem
         return d
@@ -124,25 +124,26 @@ def gather_in_order(
         local = _exchange(local, ranks, group, problem, _check_gathered, caller="gather_in_order")
     elif problem is not None:
         raise problem
-    return _dedupe_in_order(local["values"], local["indices"].cpu(), dataset_size)
+    # A rank outside `group` (0 ranks) holds only its own values: no dataset_size to check them against.
+    return _dedupe_in_order(local["values"], local["indices"].cpu(), dataset_size if ranks else None)
 
 
 # --- the exchange ----------------------------------------------------------------------------------------------
 
 
 def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[int, Optional[ValueError]]:
-    """How many ranks to gather over (1: nothing to gather), and what is wrong with ``world_size``, if anything.
+    """How many ranks to gather over (1: nothing to gather; 0: this rank is outside ``group``), and what is wrong
+    with ``world_size``, if anything.
 
-    ``world_size=1``, no initialised process group, or a rank outside ``group`` means 1; a ``world_size`` other
-    than the group's is checked only where there is a group to check it against.
+    ``world_size=1`` or no initialised process group means 1. A rank outside ``group`` (torch says -1 there) takes
+    no part, as in torch's own collectives. A ``world_size`` other than the group's is checked only where there is
+    a group to check it against.
     """
     initialized = dist.is_available() and dist.is_initialized()
-    ranks = 1 if world_size == 1 or not initialized else dist.get_world_size(group)
-    member = ranks >= 1  # torch says -1 for a rank outside `group`: it takes no part, as in torch's collectives
-    ranks = max(ranks, 1)
+    ranks = 1 if world_size == 1 or not initialized else max(dist.get_world_size(group), 0)
     if world_size is not None and world_size < 1:
-        return ranks, ValueError(f"world_size must be at least 1, got {world_size}")
-    if initialized and member and world_size not in (None, 1, ranks):
+        return max(ranks, 1), ValueError(f"world_size must be at least 1, got {world_size}")
+    if initialized and ranks and world_size not in (None, 1, ranks):
         return ranks, ValueError(f"world_size={world_size} but the process group has {ranks} ranks")
     return ranks, None
 
@@ -173,9 +174,9 @@ def _exchange(
             header, skeletons = _pickle_schema(leaves, tensors, caller)  # appends the tensors inside other values
         except Exception as error:  # whatever fails here fails on this rank only: report it, never leave the others
             problem = error  # waiting in the next collective
-    report = None if problem is None else (_reported_type(problem), str(problem))
+    report = None if problem is None else _report(problem)
     sent = _all_gather_object((report, header, skeletons), ranks, group)
-    _raise_reported([r for r, _, _ in sent])
+    _raise_reported([r for r, _, _ in sent], problem)
 
     # Each rank's tensors in its own order; a rank's k-th tensor leaf is its tensor k.
     schemas: List[Tuple[Dict[_Path, str], List[_Meta]]] = [pickle.loads(h) for _, h, _ in sent]
@@ -227,10 +228,12 @@ def _layout(tensor: torch.Tensor) -> str:
     return str(tensor.layout)
 
 
-def _reported_type(problem: Exception) -> Type[Exception]:
-    """The type every rank raises for ``problem``: TypeError and ValueError as they are, anything else (torch's
-    own errors for a tensor it cannot describe) as RuntimeError."""
-    return next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), RuntimeError)
+def _report(problem: Exception) -> Tuple[Type[Exception], str]:
+    """What every rank raises for ``problem``: a TypeError or ValueError as it is, anything else (torch's own
+    errors for a tensor it cannot describe, the user's from a generator of values) as a RuntimeError that
+    names its type."""
+    kind = next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), None)
+    return (kind, str(problem)) if kind is not None else (RuntimeError, f"{type(problem).__name__}: {problem}")
 
 
 def _picklable(obj: Any) -> bool:
@@ -241,15 +244,16 @@ def _picklable(obj: Any) -> bool:
     return True
 
 
-def _raise_reported(reports: List[Optional[Tuple[Type[Exception], str]]]) -> None:
-    """Raise what any rank reported, naming the ranks; the same error on every rank, as ``reports`` is gathered."""
+def _raise_reported(reports: List[Optional[Tuple[Type[Exception], str]]], own: Optional[Exception] = None) -> None:
+    """Raise what any rank reported, naming the ranks; the same error on every rank, as ``reports`` is gathered.
+    On a rank that reported ``own``, it is the error's cause (its traceback shows where it came from)."""
     ranks_of: Dict[Tuple[Type[Exception], str], List[int]] = {}
     for rank, report in enumerate(reports):
         if report is not None:
             ranks_of.setdefault(report, []).append(rank)
     if ranks_of:
         described = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}" for (_, m), r in ranks_of.items()]
-        raise next(iter(ranks_of))[0]("; ".join(described))
+        raise next(iter(ranks_of))[0]("; ".join(described)) from own
 
 
 # --- process group ---------------------------------------------------------------------------------------------
@@ -375,19 +379,18 @@ def _extract(value: Any, tensors: List[torch.Tensor]) -> Any:
     """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot.
 
     Those containers are rebuilt as plain ones; a subclass without tensors inside (``torch.Size``, an
-    ``OrderedDict`` of numbers) is left whole, so it keeps its type."""
+    ``OrderedDict`` of numbers) is left whole, so it keeps its type, if it can be pickled (a ``defaultdict``
+    with a lambda cannot: it is sent as a plain dict)."""
     kind = _kind(value)
     if kind == "tensor":
         tensors.append(value)
         return _Slot(len(tensors) - 1)
-    if type(value) not in (list, tuple, dict) and not _holds_tensor(value):
+    if kind == "object" or (type(value) not in (list, tuple, dict) and not _holds_tensor(value) and _picklable(value)):
         return value
-    if kind in ("list", "tuple"):
-        items = [_extract(v, tensors) for v in value]
-        return items if kind == "list" else tuple(items)
     if kind == "dict":
         return {k: _extract(v, tensors) for k, v in value.items()}
-    return value
+    items = [_extract(v, tensors) for v in value]
+    return items if kind == "list" else tuple(items)
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -579,7 +582,7 @@ def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union
             "gather_in_order needs values with a sample dimension, got a 0-dim tensor; for one sample pass "
             "values.reshape(1)"
         )
-    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, AbstractSet)):
+    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, set, frozenset)):
         raise TypeError(
             "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
             f"per-sample objects, got {type(values).__name__}"
@@ -663,7 +666,10 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _same(a: Any, b: Any) -> bool:
     """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly; dicts,
-    lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules."""
+    lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules. An object is
+    the same as itself (NaN included), as inside Python's own containers."""
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -673,9 +679,9 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # a list equals only a list, as in Python
+        return isinstance(a, list) == isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
     try:
         return bool(a == b)
     except Exception as error:  # an object whose == is not a truth value (a dataclass of tensors)

@@ -466,6 +466,11 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (1024.0, 7)
     disabled = torch.amp.GradScaler("cpu", enabled=False)
     assert rank_synchronised_scaler(disabled, "cpu") is disabled  # no loss scaling stays none: nothing to agree on
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available. Disabling"
+        self_disabled = torch.amp.GradScaler("cuda")  # as Lightning 2.2 makes it for "16-mixed" on a CPU machine
+    standing_in = rank_synchronised_scaler(self_disabled, "cpu") if not torch.cuda.is_available() else None
+    assert standing_in is None or (isinstance(standing_in, ShardedGradScaler) and standing_in.is_enabled())
 
     # every setup (fit, test, another Trainer's) replaces the save guard's group: one at a time, kept after teardown
     from lightning.fabric.plugins.environments import LightningEnvironment

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -208,6 +208,7 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     per_sample_dicts = [{"emb": _value_of(torch.tensor([i]))[0], "id": i} for i in index.tolist()]
     results["order_dicts"] = _attempt(lambda: gather_in_order(per_sample_dicts, index, DATASET))
     results["subclasses"] = sync_dicts({"shape": [torch.Size([2, rank])], "od": [OrderedDict(b=rank, a=1)]})
+    results["unpicklable_subclass"] = sync_dicts({"x": [defaultdict(lambda: 0, a=rank)]})  # sent as a plain dict
     start = sum(ROWS[:rank])
     uneven = torch.arange(start, start + ROWS[rank]).flip(0)  # reversed, and empty on rank 1
     results["order_uneven"] = gather_in_order(_value_of(uneven), uneven, dataset_size=sum(ROWS[:world_size]))
@@ -274,16 +275,30 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
             torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else torch.ones(2, 2), [2 * rank, 2 * rank + 1]
         ),
         "dict_values": lambda: gather_in_order({"a": 0, "b": 1} if bad else [0, 1], [2 * rank, 2 * rank + 1]),
+        "failing_values": lambda: gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1]),
     }
+    try:
+        gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1])
+    except RuntimeError as error:
+        cause = type(error.__cause__).__name__ if error.__cause__ is not None else None
     alone = dist.new_group([0])  # every rank must create it; rank 1 is outside it
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
         "after_errors": sync_dicts({"rank": rank}),
+        "cause": cause,
         "outside_group": (
             _attempt(lambda: sync_dicts({"rank": [rank]}, group=alone)),
             _attempt(lambda: gather_in_order(torch.tensor([3.0, 2.0]), [1, 0], group=alone)),
+            # rank 1 takes no part: its own two values are no dataset of 5 to check
+            _attempt(lambda: gather_in_order(torch.tensor([3.0, 2.0]), [1, 0], dataset_size=2 + 3 * rank, group=alone)),
         ),
     }
+
+
+def _failing_values() -> Iterator[float]:
+    """Per-sample values from a generator that fails half-way, with an exception of the user's own."""
+    yield 0.0
+    raise KeyError("no such sample")
 
 
 def _cuda_gloo_worker(rank: int, world_size: int) -> Dict[str, Any]:
@@ -499,6 +514,7 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("nested", "TypeError", ["sync_dicts can only send dense tensors", "nested", "'t'"]),
         ("nested_values", "RuntimeError", ["NestedTensor"]),  # torch's own words, on every rank
         ("dict_values", "TypeError", ["gather_in_order: values must be", "got dict"]),
+        ("failing_values", "RuntimeError", ["KeyError: 'no such sample'"]),  # the type named, the message kept
     ],
 )
 def test_one_ranks_bad_call_raises_on_every_rank(
@@ -524,9 +540,14 @@ def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[s
 def test_a_rank_outside_the_group_gets_its_own_values(lone_bad_calls: List[Dict[str, Any]]) -> None:
     """As in torch's collectives, a rank that is not in ``group`` takes no part (torch's world size is -1 there)."""
     for rank, results in enumerate(lone_bad_calls):
-        merged, ordered = results["outside_group"]
+        merged, ordered, checked = results["outside_group"]
         assert merged == {"rank": [rank]}, f"rank {rank}: {merged}"
         _assert_same(ordered, torch.tensor([2.0, 3.0]), f"rank {rank}")
+        _assert_same(checked, torch.tensor([2.0, 3.0]), f"rank {rank}")
+
+
+def test_the_failing_rank_keeps_its_error_as_the_cause(lone_bad_calls: List[Dict[str, Any]]) -> None:
+    assert [results["cause"] for results in lone_bad_calls] == ["KeyError", None]
 
 
 def test_per_sample_dicts_of_tensors_drop_their_padded_repeats(per_rank: List[Dict[str, Any]]) -> None:
@@ -540,6 +561,8 @@ def test_per_sample_dicts_of_tensors_drop_their_padded_repeats(per_rank: List[Di
 
 def test_container_subclasses_without_tensors_keep_their_type(per_rank: List[Dict[str, Any]]) -> None:
     for results in per_rank:
+        assert results["unpicklable_subclass"] == {"x": [{"a": rank} for rank in range(len(per_rank))]}
+        assert [type(d) for d in results["unpicklable_subclass"]["x"]] == [dict] * len(per_rank)
         shapes, ordered_dicts = results["subclasses"]["shape"], results["subclasses"]["od"]
         assert [type(shape) for shape in shapes] == [torch.Size] * len(per_rank), shapes
         assert shapes == [torch.Size([2, rank]) for rank in range(len(per_rank))]
@@ -624,6 +647,10 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
         gather_in_order([{"emb": torch.ones(3)}, {"emb": torch.ones(3), "id": 5}], [5, 5])
     with pytest.raises(TypeError, match="cannot compare two values of a repeated index .*_Prediction.*tensor"):
         gather_in_order([_Prediction(torch.ones(3)), _Prediction(torch.ones(3))], [5, 5])
+    same_object = [math.nan, 1]
+    assert gather_in_order([same_object, same_object], [0, 0]) == [same_object]  # itself, NaN and all
+    assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
+    assert gather_in_order({"b": 1, "a": 2}.keys(), [1, 0]) == ["a", "b"]  # ordered: a sequence of values
 
 
 @pytest.mark.usefixtures("no_process_group")
