@@ -50,8 +50,8 @@ _PREDICT_SAMPLER_KWARGS = ("num_replicas", "rank", "seed", "drop_last")
 #: What an overriding ``configure_ddp`` must do, for the errors that catch one that does not.
 _CONFIGURE_DDP_CONTRACT = (
     "override it as configure_ddp(self, model, device_ids) and return the wrapped model, for example"
-    " `return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)` (assigning self.model, as"
-    " Lightning 1.x's DDPPlugin did, is not enough)."
+    " `return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)` (assigning self.model"
+    " instead, as Lightning's later argument-less configure_ddp(self) does, is not enough)."
 )
 
 
@@ -282,18 +282,29 @@ class CustomDDP(DDPStrategy):
         # Through the class: during `setup` the instance attribute `configure_ddp` is this adapter.
         configure_ddp = type(self).configure_ddp
         model, device_ids = self.model, self.determine_ddp_device_ids()
+        try:  # the signature of what is called: a decorator's wrapper, not the function it wraps
+            signature: Optional[inspect.Signature] = inspect.signature(configure_ddp, follow_wrapped=False)
+        except ValueError:  # a callable without a signature: nothing to check before calling it
+            signature = None
         try:
-            inspect.signature(configure_ddp).bind(self, model, device_ids)
+            if signature is not None:
+                signature.bind(self, model, device_ids)
         except TypeError:  # Lightning 2.x's own signature, configure_ddp(self), which wraps self.model in place
             raise TypeError(
-                f"{type(self).__name__}.configure_ddp{inspect.signature(configure_ddp)} cannot be called as"
-                f" configure_ddp(model, device_ids): {_CONFIGURE_DDP_CONTRACT}"
+                f"{type(self).__name__}.configure_ddp must take (self, model, device_ids), but its signature is"
+                f" {signature}: {_CONFIGURE_DDP_CONTRACT}"
             ) from None
         wrapped = configure_ddp(self, model, device_ids)
-        if not isinstance(wrapped, Module) or wrapped is model:
+        if not isinstance(wrapped, Module):
             raise TypeError(
-                f"{type(self).__name__}.configure_ddp(model, device_ids) returned {type(wrapped).__name__}, not a"
-                f" wrapper of the model: {_CONFIGURE_DDP_CONTRACT} Without the wrapper no gradient is synchronised."
+                f"{type(self).__name__}.configure_ddp(model, device_ids) returned {type(wrapped).__name__}, not the"
+                f" wrapped model: {_CONFIGURE_DDP_CONTRACT} Without the wrapper no gradient is synchronised."
+            )
+        if wrapped is model and self.world_size > 1:
+            rank_zero_warn(
+                f"{type(self).__name__}.configure_ddp(model, device_ids) returned the model itself: gradients are"
+                " synchronised only if it does so itself (torch's composable replicate(), or hooks of your own)."
+                f" Otherwise {_CONFIGURE_DDP_CONTRACT}"
             )
         self.model = wrapped
         self._register_comm_hook()
@@ -679,20 +690,24 @@ class CustomDDP(DDPStrategy):
                 f" Give {cls.__name__} names of its own, e.g. registry_entries = (('my_ddp', {{'start_method':"
                 " 'popen'}),), then call register_strategies."
             )
+        taken = {}  # name -> the class registered under it, where that is neither cls nor a reloaded copy of it
+        for name, _ in cls.registry_entries:
+            registered = (dict.get(strategy_registry, name) or {}).get("strategy")
+            if registered is not None and (registered.__module__, registered.__qualname__) != (
+                cls.__module__,
+                cls.__qualname__,
+            ):
+                taken[name] = registered.__qualname__
+        if taken:  # checked before registering any, so that nothing is half done
+            raise ValueError(
+                f"Strategy names already registered to other classes: {taken}. Choose other names in"
+                f" {cls.__name__}.registry_entries, or remove them first (StrategyRegistry.remove(name)) to replace them."
+            )
         for name, init_params in cls.registry_entries:
             entry = dict.get(strategy_registry, name)
             if entry is not None and entry["strategy"] is cls and entry["init_params"] == init_params:
                 continue
             registered = None if entry is None else entry["strategy"]
-            same_class = registered is not None and (registered.__module__, registered.__qualname__) == (
-                cls.__module__,
-                cls.__qualname__,
-            )  # this class again, or a reloaded copy of its module
-            if registered is not None and not same_class:
-                raise ValueError(
-                    f"Strategy name {name!r} is already registered to {registered.__qualname__}; choose another name"
-                    f" in {cls.__name__}.registry_entries."
-                )
             strategy_registry.register(
                 name,
                 cls,

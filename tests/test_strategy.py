@@ -1,6 +1,7 @@
 """CustomDDP with real lightning.pytorch.Trainer runs on 2 CPU processes (spawn launcher inside pytest)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -160,7 +161,7 @@ class TwoXStyleDDP(CustomDDP):
 
 @pytest.mark.parametrize(
     "strategy_class, words",
-    [(NoReturnDDP, "returned NoneType, not a wrapper"), (TwoXStyleDDP, "cannot be called as configure_ddp(model")],
+    [(NoReturnDDP, "returned NoneType, not the wrapped model"), (TwoXStyleDDP, "must take (self, model, device_ids)")],
 )
 def test_a_configure_ddp_that_does_not_return_the_wrapper_is_refused(strategy_class: type, words: str) -> None:
     """Without the check, NoReturnDDP trained with no gradient sync at all (Lightning's model getter falls back to
@@ -170,6 +171,52 @@ def test_a_configure_ddp_that_does_not_return_the_wrapper_is_refused(strategy_cl
         trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
     message = str(raised.value)
     assert words in message and "return DistributedDataParallel(model, device_ids=device_ids" in message, message
+
+
+def _adapted_from_two_x(configure_ddp: Any) -> Any:
+    """A decorator that adapts a Lightning 2.x-style ``configure_ddp(self)`` to ours, keeping its name (``wraps``)."""
+
+    @functools.wraps(configure_ddp)
+    def adapted(self: CustomDDP, model: torch.nn.Module, device_ids: Optional[List[int]]) -> torch.nn.Module:
+        configure_ddp(self)
+        return self.model  # type: ignore[return-value]
+
+    return adapted
+
+
+class AdaptedDDP(CustomDDP):
+    @_adapted_from_two_x
+    def configure_ddp(self) -> None:  # type: ignore[override]
+        self.model = torch.nn.parallel.DistributedDataParallel(self.model)
+
+
+class UnwrappedOnOneRankDDP(CustomDDP):
+    """Returns the model itself: nothing to synchronise in a world of one (on more ranks it warns)."""
+
+    def configure_ddp(self, model: torch.nn.Module, device_ids: Optional[List[int]]) -> torch.nn.Module:  # type: ignore[override]
+        return model
+
+
+@pytest.mark.parametrize("strategy_class", [AdaptedDDP, UnwrappedOnOneRankDDP])
+def test_configure_ddp_overrides_that_return_a_module_are_accepted(strategy_class: type) -> None:
+    """The signature checked is that of what is called (a decorator's wrapper), and the model itself is a module."""
+    model = OrderRecorder()
+    with single_rank_in_this_process(free_port()):
+        trainer = pl.Trainer(strategy=strategy_class(), **trainer_kwargs(devices=1, max_epochs=1))
+        trainer.fit(model, DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert trainer.global_step == 2
+
+
+def test_returning_the_model_itself_on_several_ranks_warns() -> None:
+    """It may synchronise by itself (torch's composable replicate()), so a warning, not an error."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = UnwrappedOnOneRankDDP(cluster_environment=LightningEnvironment())
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.set_world_ranks()
+    strategy.model = torch.nn.Linear(1, 1)
+    with pytest.warns(UserWarning, match="returned the model itself: gradients are synchronised only if"):
+        strategy._wrap_lightning_model()
 
 
 def test_a_subclass_registers_names_of_its_own_only() -> None:
@@ -187,7 +234,7 @@ def test_a_subclass_registers_names_of_its_own_only() -> None:
 
     with pytest.raises(ValueError, match="under its parent's names .*'ddp_custom_sampler'.* registry_entries"):
         Inheriting.register_strategies(StrategyRegistry)
-    with pytest.raises(ValueError, match="'ddp_custom_sampler' is already registered to CustomDDP"):
+    with pytest.raises(ValueError, match="registered to other classes: {'ddp_custom_sampler': 'CustomDDP'}.*remove"):
         Taking.register_strategies(StrategyRegistry)
     assert StrategyRegistry["ddp_custom_sampler"]["strategy"] is CustomDDP
     OwnNames.register_strategies(StrategyRegistry)
