@@ -294,7 +294,11 @@ def rank_synchronised_scaler(
     scaler: Optional[torch.amp.GradScaler], device: str, group: Optional[Any] = None
 ) -> torch.amp.GradScaler:
     """A ``ShardedGradScaler`` with ``scaler``'s settings (a ShardedGradScaler, or one disabled for ``device``, is
-    returned as is: ``GradScaler(enabled=False)`` means no loss scaling, and stays so).
+    returned as is: ``GradScaler(device, enabled=False)`` means no loss scaling, and stays so).
+
+    A disabled scaler for another device type (a CUDA one on a CPU machine, which Lightning 2.2 makes for
+    "16-mixed" and which disables itself) is replaced by a default ShardedGradScaler, with a message: torch keeps
+    no mark of whether it was disabled on purpose.
 
     With gradients sharded, each rank checks only its own shard for inf/NaN. A plain GradScaler then lets one
     rank skip ``optimizer.step()`` while the others step and broadcast their shards: ranks diverge or hang.
@@ -309,8 +313,14 @@ def rank_synchronised_scaler(
     # default ShardedGradScaler stands in. One disabled for this device was the user's choice: no scaling, so
     # nothing for the ranks to agree on.
     own_device = scaler is not None and getattr(scaler, "_device", "cuda") == torch.device(device).type
-    if scaler is not None and not scaler.is_enabled() and own_device:
-        return scaler
+    if scaler is not None and not scaler.is_enabled():
+        if own_device:
+            return scaler
+        rank_zero_info(
+            f"The GradScaler for {getattr(scaler, '_device', 'cuda')!r} is disabled (it cannot run on {device!r}):"
+            f" training uses a ShardedGradScaler on {device!r} with default settings. To train without loss"
+            f" scaling, pass MixedPrecision(scaler=torch.amp.GradScaler({torch.device(device).type!r}, enabled=False))."
+        )
     settings: Dict[str, Any] = {}
     if scaler is not None and scaler.is_enabled():
         settings.update(

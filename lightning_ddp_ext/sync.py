@@ -206,15 +206,23 @@ def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor], caller
     Appends the tensors inside non-tensor values to ``tensors``. Raises TypeError, naming ``caller`` and the key,
     for a sparse tensor or a value that cannot be pickled.
     """
-    skeletons = {p: _extract(v, tensors) for p, v in leaves.items() if not isinstance(v, torch.Tensor)}
     for path, value in leaves.items():
         layouts = {_layout(t) for t in _tensors_in(value)} - {str(torch.strided)}
         if layouts:
             raise TypeError(f"{caller} can only send dense tensors, got {sorted(layouts)} in {_name(path)}")
     kinds = {p: _kind(v) for p, v in leaves.items()}
+    values = {p: v for p, v in leaves.items() if not isinstance(v, torch.Tensor)}
+    leaf_tensors = len(tensors)
+    skeletons = {p: _extract(v, tensors) for p, v in values.items()}
+    try:
+        pickled = pickle.dumps(skeletons) if skeletons else b""
+    except Exception:  # a container subclass kept whole may not pickle (a defaultdict of a lambda): send plain ones
+        del tensors[leaf_tensors:]
+        skeletons = {p: _extract(v, tensors, keep_subclasses=False) for p, v in values.items()}
+        pickled = None
     metas: List[_Meta] = [(tuple(t.shape), t.dtype) for t in tensors]
     try:
-        return pickle.dumps((kinds, metas)), pickle.dumps(skeletons) if skeletons else b""
+        return pickle.dumps((kinds, metas)), pickled if pickled is not None else pickle.dumps(skeletons)
     except Exception as error:  # pickle raises several types, depending on the value
         bad = [_name(p) for p in leaves if not _picklable((p, skeletons.get(p)))]
         where = f" under {_listing(bad)}" if bad else ""
@@ -233,7 +241,11 @@ def _report(problem: Exception) -> Tuple[Type[Exception], str]:
     errors for a tensor it cannot describe, the user's from a generator of values) as a RuntimeError that
     names its type."""
     kind = next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), None)
-    return (kind, str(problem)) if kind is not None else (RuntimeError, f"{type(problem).__name__}: {problem}")
+    try:
+        message = str(problem)
+    except Exception:  # an exception whose __str__ fails must still reach the other ranks
+        message = "(its message could not be made)"
+    return (kind, message) if kind is not None else (RuntimeError, f"{type(problem).__name__}: {message}")
 
 
 def _picklable(obj: Any) -> bool:
@@ -375,30 +387,22 @@ def _kind(value: Any) -> str:
     return "object"
 
 
-def _extract(value: Any, tensors: List[torch.Tensor]) -> Any:
+def _extract(value: Any, tensors: List[torch.Tensor], keep_subclasses: bool = True) -> Any:
     """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot.
 
-    Those containers are rebuilt as plain ones; a subclass without tensors inside (``torch.Size``, an
-    ``OrderedDict`` of numbers) is left whole, so it keeps its type, if it can be pickled (a ``defaultdict``
-    with a lambda cannot: it is sent as a plain dict)."""
+    Those containers are rebuilt as plain ones. With ``keep_subclasses``, a subclass without tensors inside
+    (``torch.Size``, an ``OrderedDict`` of numbers) is left whole, so it keeps its type; the caller retries
+    without it when that does not pickle (a ``defaultdict`` of a lambda is then sent as a plain dict)."""
     kind = _kind(value)
     if kind == "tensor":
         tensors.append(value)
         return _Slot(len(tensors) - 1)
-    if kind == "object" or (type(value) not in (list, tuple, dict) and not _holds_tensor(value) and _picklable(value)):
+    if kind == "object" or (keep_subclasses and type(value) not in (list, tuple, dict) and not _tensors_in(value)):
         return value
     if kind == "dict":
-        return {k: _extract(v, tensors) for k, v in value.items()}
-    items = [_extract(v, tensors) for v in value]
+        return {k: _extract(v, tensors, keep_subclasses) for k, v in value.items()}
+    items = [_extract(v, tensors, keep_subclasses) for v in value]
     return items if kind == "list" else tuple(items)
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(map(_holds_tensor, value.values()))
-    return isinstance(value, (list, tuple)) and any(map(_holds_tensor, value))
 
 
 def _restore(skeleton: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
@@ -412,9 +416,15 @@ def _restore(skeleton: Any, tensors: List[torch.Tensor], device: torch.device) -
     return skeleton
 
 
-def _tensors_in(value: Any) -> List[torch.Tensor]:
-    found: List[torch.Tensor] = []
-    _extract(value, found)
+def _tensors_in(value: Any, found: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """The tensors :func:`_extract` takes out of ``value``, in its order, without building anything."""
+    found = [] if found is None else found
+    kind = _kind(value)
+    if kind == "tensor":
+        found.append(value)
+    elif kind in ("list", "tuple", "dict"):
+        for item in value.values() if kind == "dict" else value:
+            _tensors_in(item, found)
     return found
 
 
@@ -648,6 +658,10 @@ def _dedupe_in_order(
     return [values[i] for i in keep.tolist()]
 
 
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
 def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Whether each sample (row) of ``a`` is the same value as that of ``b``, as :func:`gather_in_order` says."""
     dtype = a.dtype
@@ -667,8 +681,8 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _same(a: Any, b: Any) -> bool:
     """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly; dicts,
     lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules. An object is
-    the same as itself (NaN included), as inside Python's own containers."""
-    if a is b:
+    the same as itself, and NaN floats match, as in tensors."""
+    if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):

@@ -276,6 +276,7 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         ),
         "dict_values": lambda: gather_in_order({"a": 0, "b": 1} if bad else [0, 1], [2 * rank, 2 * rank + 1]),
         "failing_values": lambda: gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1]),
+        "unprintable": lambda: gather_in_order(_failing_values(_Unprintable()) if bad else [0, 1], [2 * rank, 2 * rank + 1]),
     }
     try:
         gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1])
@@ -295,10 +296,15 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
-def _failing_values() -> Iterator[float]:
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def _failing_values(error: Optional[Exception] = None) -> Iterator[float]:
     """Per-sample values from a generator that fails half-way, with an exception of the user's own."""
     yield 0.0
-    raise KeyError("no such sample")
+    raise error or KeyError("no such sample")
 
 
 def _cuda_gloo_worker(rank: int, world_size: int) -> Dict[str, Any]:
@@ -515,6 +521,7 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("nested_values", "RuntimeError", ["NestedTensor"]),  # torch's own words, on every rank
         ("dict_values", "TypeError", ["gather_in_order: values must be", "got dict"]),
         ("failing_values", "RuntimeError", ["KeyError: 'no such sample'"]),  # the type named, the message kept
+        ("unprintable", "RuntimeError", ["_Unprintable: (its message could not be made)"]),  # still reaches rank 1
     ],
 )
 def test_one_ranks_bad_call_raises_on_every_rank(
@@ -649,6 +656,8 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
         gather_in_order([_Prediction(torch.ones(3)), _Prediction(torch.ones(3))], [5, 5])
     same_object = [math.nan, 1]
     assert gather_in_order([same_object, same_object], [0, 0]) == [same_object]  # itself, NaN and all
+    losses = gather_in_order([{"loss": float("nan")}, {"loss": float("nan")}], [0, 0])  # two NaN objects
+    assert len(losses) == 1 and math.isnan(losses[0]["loss"])
     assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
     assert gather_in_order({"b": 1, "a": 2}.keys(), [1, 0]) == ["a", "b"]  # ordered: a sequence of values
 
