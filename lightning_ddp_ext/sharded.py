@@ -319,7 +319,8 @@ def rank_synchronised_scaler(
         rank_zero_info(
             f"The GradScaler for {getattr(scaler, '_device', 'cuda')!r} is disabled (it cannot run on {device!r}):"
             f" training uses a ShardedGradScaler on {device!r} with default settings. To train without loss"
-            f" scaling, pass MixedPrecision(scaler=torch.amp.GradScaler({torch.device(device).type!r}, enabled=False))."
+            f" scaling, pass MixedPrecision('16-mixed', {torch.device(device).type!r},"
+            f" scaler=torch.amp.GradScaler({torch.device(device).type!r}, enabled=False)) as the Trainer's plugin."
         )
     settings: Dict[str, Any] = {}
     if scaler is not None and scaler.is_enabled():

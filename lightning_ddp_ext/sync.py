@@ -13,6 +13,7 @@ A rank's own bad input (no dict, a sparse tensor, a value that cannot be pickled
 """
 from __future__ import annotations
 
+import cmath
 import math
 import pickle
 from dataclasses import dataclass
@@ -216,9 +217,9 @@ def _pickle_schema(leaves: Dict[_Path, Any], tensors: List[torch.Tensor], caller
     skeletons = {p: _extract(v, tensors) for p, v in values.items()}
     try:
         pickled = pickle.dumps(skeletons) if skeletons else b""
-    except Exception:  # a container subclass kept whole may not pickle (a defaultdict of a lambda): send plain ones
-        del tensors[leaf_tensors:]
-        skeletons = {p: _extract(v, tensors, keep_subclasses=False) for p, v in values.items()}
+    except Exception:  # a container subclass kept whole may not pickle (a defaultdict of a lambda): only those go
+        del tensors[leaf_tensors:]  # as plain containers, so the tensors are taken out again, in the same order
+        skeletons = {p: _extract(v, tensors, keep_whole=_picklable) for p, v in values.items()}
         pickled = None
     metas: List[_Meta] = [(tuple(t.shape), t.dtype) for t in tensors]
     try:
@@ -241,9 +242,9 @@ def _report(problem: Exception) -> Tuple[Type[Exception], str]:
     errors for a tensor it cannot describe, the user's from a generator of values) as a RuntimeError that
     names its type."""
     kind = next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), None)
-    try:
-        message = str(problem)
-    except Exception:  # an exception whose __str__ fails must still reach the other ranks
+    try:  # a plain str: a subclass of str may not pickle, and the report must reach the other ranks
+        message = str.__str__(str(problem))
+    except Exception:  # an exception whose __str__ fails too
         message = "(its message could not be made)"
     return (kind, message) if kind is not None else (RuntimeError, f"{type(problem).__name__}: {message}")
 
@@ -387,21 +388,22 @@ def _kind(value: Any) -> str:
     return "object"
 
 
-def _extract(value: Any, tensors: List[torch.Tensor], keep_subclasses: bool = True) -> Any:
+def _extract(value: Any, tensors: List[torch.Tensor], keep_whole: Callable[[Any], bool] = lambda _: True) -> Any:
     """``value`` with every tensor inside lists, tuples and dicts moved to ``tensors`` and left as a slot.
 
-    Those containers are rebuilt as plain ones. With ``keep_subclasses``, a subclass without tensors inside
-    (``torch.Size``, an ``OrderedDict`` of numbers) is left whole, so it keeps its type; the caller retries
-    without it when that does not pickle (a ``defaultdict`` of a lambda is then sent as a plain dict)."""
+    Those containers are rebuilt as plain ones. A subclass without tensors inside (``torch.Size``, an
+    ``OrderedDict`` of numbers) is left whole, so it keeps its type, where ``keep_whole`` says so: the caller
+    retries with ``_picklable`` when one does not pickle (a ``defaultdict`` of a lambda then goes as a plain dict).
+    Whatever is kept whole holds no tensor, so ``tensors`` gets the same tensors in the same order either way."""
     kind = _kind(value)
     if kind == "tensor":
         tensors.append(value)
         return _Slot(len(tensors) - 1)
-    if kind == "object" or (keep_subclasses and type(value) not in (list, tuple, dict) and not _tensors_in(value)):
+    if kind == "object" or (type(value) not in (list, tuple, dict) and not _tensors_in(value) and keep_whole(value)):
         return value
     if kind == "dict":
-        return {k: _extract(v, tensors, keep_subclasses) for k, v in value.items()}
-    items = [_extract(v, tensors, keep_subclasses) for v in value]
+        return {k: _extract(v, tensors, keep_whole) for k, v in value.items()}
+    items = [_extract(v, tensors, keep_whole) for v in value]
     return items if kind == "list" else tuple(items)
 
 
@@ -659,7 +661,7 @@ def _dedupe_in_order(
 
 
 def _is_nan(value: Any) -> bool:
-    return isinstance(value, (float, np.floating)) and math.isnan(value)
+    return isinstance(value, (float, complex, np.inexact)) and cmath.isnan(value)
 
 
 def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -681,7 +683,7 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _same(a: Any, b: Any) -> bool:
     """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly; dicts,
     lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules. An object is
-    the same as itself, and NaN floats match, as in tensors."""
+    the same as itself, and NaNs match (floats, complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -691,7 +693,10 @@ def _same(a: Any, b: Any) -> bool:
             return False
         return bool(_close_rows(a.reshape(1, -1), b.reshape(1, -1).to(a.device)).item())
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(a, b))
+        try:
+            return bool(np.array_equal(a, b, equal_nan=True))
+        except TypeError:  # equal_nan needs numbers: an array of objects is compared as it is
+            return bool(np.array_equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # a list equals only a list, as in Python

@@ -208,7 +208,8 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     per_sample_dicts = [{"emb": _value_of(torch.tensor([i]))[0], "id": i} for i in index.tolist()]
     results["order_dicts"] = _attempt(lambda: gather_in_order(per_sample_dicts, index, DATASET))
     results["subclasses"] = sync_dicts({"shape": [torch.Size([2, rank])], "od": [OrderedDict(b=rank, a=1)]})
-    results["unpicklable_subclass"] = sync_dicts({"x": [defaultdict(lambda: 0, a=rank)]})  # sent as a plain dict
+    unpicklable = defaultdict(lambda: 0, a=rank) if rank == 0 else {"a": rank}  # goes as a plain dict
+    results["unpicklable_subclass"] = sync_dicts({"x": [unpicklable], "kept": [OrderedDict(a=rank)]})
     start = sum(ROWS[:rank])
     uneven = torch.arange(start, start + ROWS[rank]).flip(0)  # reversed, and empty on rank 1
     results["order_uneven"] = gather_in_order(_value_of(uneven), uneven, dataset_size=sum(ROWS[:world_size]))
@@ -568,8 +569,10 @@ def test_per_sample_dicts_of_tensors_drop_their_padded_repeats(per_rank: List[Di
 
 def test_container_subclasses_without_tensors_keep_their_type(per_rank: List[Dict[str, Any]]) -> None:
     for results in per_rank:
-        assert results["unpicklable_subclass"] == {"x": [{"a": rank} for rank in range(len(per_rank))]}
-        assert [type(d) for d in results["unpicklable_subclass"]["x"]] == [dict] * len(per_rank)
+        merged = results["unpicklable_subclass"]
+        assert merged["x"] == [{"a": rank} for rank in range(len(per_rank))]
+        assert [type(d) for d in merged["x"]] == [dict] * len(per_rank)
+        assert [type(d) for d in merged["kept"]] == [OrderedDict] * len(per_rank)  # only what fails goes plain
         shapes, ordered_dicts = results["subclasses"]["shape"], results["subclasses"]["od"]
         assert [type(shape) for shape in shapes] == [torch.Size] * len(per_rank), shapes
         assert shapes == [torch.Size([2, rank]) for rank in range(len(per_rank))]
@@ -658,6 +661,8 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
     assert gather_in_order([same_object, same_object], [0, 0]) == [same_object]  # itself, NaN and all
     losses = gather_in_order([{"loss": float("nan")}, {"loss": float("nan")}], [0, 0])  # two NaN objects
     assert len(losses) == 1 and math.isnan(losses[0]["loss"])
+    for nan_valued in (np.array([math.nan, 1.0]), np.array(math.nan), complex(math.nan, 1)):
+        assert len(gather_in_order([nan_valued, np.copy(nan_valued)], [0, 0])) == 1, nan_valued
     assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
     assert gather_in_order({"b": 1, "a": 2}.keys(), [1, 0]) == ["a", "b"]  # ordered: a sequence of values
 
