@@ -83,6 +83,10 @@ def _worker(strategy: str, accumulate: int, out: str, epochs: int) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # stock "ddp" leaves its group to exit, where gloo's threads can abort the process
+        dist.destroy_process_group()
     if trainer.global_rank == 0:
         Path(out).write_text(
             json.dumps(
@@ -110,8 +114,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description="CustomDDP step-time overhead and all-reduce rounds per step.")
     parser.add_argument("--repeats", type=int, default=5, help="runs per strategy, interleaved")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per run, at least 2 (the first is warm-up)")
     args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the first epoch is warm-up and is not timed")
 
     medians: Dict[str, List[float]] = {"ddp": [], "ddp_custom_sampler": []}
     for repeat in range(args.repeats):

@@ -32,6 +32,7 @@ import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP, _compat
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
 from lightning_ddp_ext.strategy import process_group_backend_for
+from lightning_ddp_ext.sync import gather_in_order
 
 HERE = Path(__file__).parent
 
@@ -295,7 +296,24 @@ def test_predict_is_sharded_by_lightning(tmp_path: Path) -> None:
 
 
 class SelfShardingPredictor(Predictor):
-    """Deals a custom batch sampler in predict_dataloader, as docs/guides/evaluation.rst shows."""
+    """Deals a custom batch sampler in predict_dataloader and gathers the predictions in dataset order, as
+    docs/guides/evaluation.rst shows (outputs kept on the module: under the spawn and fork launchers Lightning
+    keeps no ``predict_loop.predictions``)."""
+
+    def on_predict_epoch_start(self) -> None:
+        self.outputs: List[Any] = []
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        super().predict_step(batch, batch_idx)
+        x, index = batch
+        value = torch.cat([x, index.unsqueeze(1).float()], dim=1)  # carries its index, so the order shows
+        self.outputs.append((value, index))
+        return value
+
+    def on_predict_epoch_end(self) -> None:
+        values = torch.cat([value for value, _ in self.outputs])
+        indices = torch.cat([index for _, index in self.outputs])
+        self.facts["gathered"] = gather_in_order(values, indices, dataset_size=DATASET_SIZE)[:, 1].tolist()
 
     def predict_dataloader(self) -> DataLoader:
         batches = [list(range(start, min(start + 5, DATASET_SIZE))) for start in range(0, DATASET_SIZE, 5)]
@@ -311,6 +329,7 @@ def test_a_custom_batch_sampler_sharded_in_predict_dataloader_predicts_each_samp
     ranks = read_ranks(str(tmp_path), 2)
     shares = [[i for _, batch in report["seen"]["predict/only"] for i in batch] for report in ranks]
     assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE)) and all(shares)
+    assert [report["facts"]["gathered"] for report in ranks] == [list(map(float, range(DATASET_SIZE)))] * 2
 
 
 class KeyedLoader(DataLoader):
