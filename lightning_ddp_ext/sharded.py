@@ -312,15 +312,15 @@ def rank_synchronised_scaler(
     # A scaler for another device type disabled itself (Lightning 2.2 makes a CUDA one for "16-mixed" on CPU): a
     # default ShardedGradScaler stands in. One disabled for this device was the user's choice: no scaling, so
     # nothing for the ranks to agree on.
-    own_device = scaler is not None and getattr(scaler, "_device", "cuda") == torch.device(device).type
     if scaler is not None and not scaler.is_enabled():
-        if own_device:
+        scaler_device, device_type = getattr(scaler, "_device", "cuda"), torch.device(device).type
+        if scaler_device == device_type:
             return scaler
         rank_zero_info(
-            f"The GradScaler for {getattr(scaler, '_device', 'cuda')!r} is disabled (it cannot run on {device!r}):"
-            f" training uses a ShardedGradScaler on {device!r} with default settings. To train without loss"
-            f" scaling, pass MixedPrecision('16-mixed', {torch.device(device).type!r},"
-            f" scaler=torch.amp.GradScaler({torch.device(device).type!r}, enabled=False)) as the Trainer's plugin."
+            f"The GradScaler for {scaler_device!r} is disabled (it cannot run on {device!r}): training uses a"
+            f" ShardedGradScaler on {device!r} with default settings. To train without loss scaling, pass"
+            f" MixedPrecision('16-mixed', {device_type!r}, scaler=torch.amp.GradScaler({device_type!r}, enabled=False))"
+            " as the Trainer's plugin."
         )
     settings: Dict[str, Any] = {}
     if scaler is not None and scaler.is_enabled():

@@ -283,16 +283,13 @@ class CustomDDP(DDPStrategy):
         configure_ddp = type(self).configure_ddp
         model, device_ids = self.model, self.determine_ddp_device_ids()
         try:  # the signature of what is called: a decorator's wrapper, not the function it wraps
-            signature: Optional[inspect.Signature] = inspect.signature(configure_ddp, follow_wrapped=False)
+            inspect.signature(configure_ddp, follow_wrapped=False).bind(self, model, device_ids)
         except ValueError:  # a callable without a signature: nothing to check before calling it
-            signature = None
-        try:
-            if signature is not None:
-                signature.bind(self, model, device_ids)
+            pass
         except TypeError:  # Lightning 2.x's own signature, configure_ddp(self), which wraps self.model in place
             raise TypeError(
                 f"{type(self).__name__}.configure_ddp must take (self, model, device_ids), but its signature is"
-                f" {signature}: {_CONFIGURE_DDP_CONTRACT}"
+                f" {inspect.signature(configure_ddp, follow_wrapped=False)}: {_CONFIGURE_DDP_CONTRACT}"
             ) from None
         wrapped = configure_ddp(self, model, device_ids)
         if not isinstance(wrapped, Module):
@@ -707,12 +704,11 @@ class CustomDDP(DDPStrategy):
             entry = dict.get(strategy_registry, name)
             if entry is not None and entry["strategy"] is cls and entry["init_params"] == init_params:
                 continue
-            registered = None if entry is None else entry["strategy"]
             strategy_registry.register(
                 name,
                 cls,
                 description=f"{cls.__name__} ({cls.__module__}) with {init_params}",
-                override=registered is not None,
+                override=entry is not None,
                 **init_params,
             )
 
