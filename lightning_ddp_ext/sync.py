@@ -681,9 +681,10 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality for per-sample objects: tensors as in :func:`_close_rows`, arrays and the rest exactly; dicts,
-    lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) item by item, by these rules. An object is
-    the same as itself, and NaNs match (floats, complex numbers, arrays), as in tensors."""
+    """Equality for per-sample objects: tensors as in :func:`_close_rows`, numpy arrays and the rest exactly (arrays
+    of the same dtype and shape); dicts, lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) and
+    arrays of objects item by item, by these rules. An object is the same as itself, and NaNs match (floats,
+    complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -692,10 +693,14 @@ def _same(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         return bool(_close_rows(a.reshape(1, -1), b.reshape(1, -1).to(a.device)).item())
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # as tensors: same dtype and shape, NaN matching
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False
+        if a.dtype == object:  # element by element, by these rules (NaN, tensors inside)
+            return all(map(_same, a.ravel(), b.ravel()))
         try:
             return bool(np.array_equal(a, b, equal_nan=True))
-        except TypeError:  # equal_nan needs numbers: an array of objects is compared as it is
+        except TypeError:  # equal_nan needs numbers: strings and the like are compared as they are
             return bool(np.array_equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)

@@ -661,8 +661,16 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
     assert gather_in_order([same_object, same_object], [0, 0]) == [same_object]  # itself, NaN and all
     losses = gather_in_order([{"loss": float("nan")}, {"loss": float("nan")}], [0, 0])  # two NaN objects
     assert len(losses) == 1 and math.isnan(losses[0]["loss"])
-    for nan_valued in (np.array([math.nan, 1.0]), np.array(math.nan), complex(math.nan, 1)):
+    objects = np.array([math.nan, "a", None], dtype=object)
+    for nan_valued in (np.array([math.nan, 1.0]), np.array(math.nan), objects):
         assert len(gather_in_order([nan_valued, np.copy(nan_valued)], [0, 0])) == 1, nan_valued
+    assert len(gather_in_order([complex(math.nan, 1), complex(math.nan, 1)], [0, 0])) == 1
+    for other in (np.array([1.0, 2.0]), [1, 2], np.array([[1, 2]])):  # as tensors: dtype and shape must agree
+        with pytest.raises(ValueError, match="different values for the same index: 0"):
+            gather_in_order([np.array([1, 2]), other], [0, 0])
+    holding_tensors = np.empty(2, dtype=object)
+    holding_tensors[:] = [torch.ones(2), 1]
+    assert len(gather_in_order([holding_tensors, np.copy(holding_tensors)], [0, 0])) == 1
     assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
     assert gather_in_order({"b": 1, "a": 2}.keys(), [1, 0]) == ["a", "b"]  # ordered: a sequence of values
 
