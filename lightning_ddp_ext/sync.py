@@ -93,7 +93,7 @@ def gather_in_order(
     different batch sizes, so "the same value" allows for rounding: floating-point and complex tensors agree
     when every element is within ``sqrt(eps)`` of their dtype times the sample's largest finite magnitude
     (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. Integer and bool tensors and other
-    objects must be equal (``==``), and tensors must have the same dtype and shape.
+    objects must be equal (``==``), and tensors and numpy arrays must have the same dtype and shape.
 
     Args:
         values: This rank's outputs: a tensor whose first dim runs over samples, or a sequence of per-sample
@@ -694,10 +694,14 @@ def _same(a: Any, b: Any) -> bool:
             return False
         return bool(_close_rows(a.reshape(1, -1), b.reshape(1, -1).to(a.device)).item())
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # as tensors: same dtype and shape, NaN matching
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or (a.dtype, a.shape) != (b.dtype, b.shape):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
             return False
+        if a.dtype != b.dtype:  # strings sliced from batches of other widths are still the same strings
+            return a.dtype.kind == b.dtype.kind and a.dtype.kind in "US" and bool(np.array_equal(a, b))
+        if a.dtype.names:  # structured: field by field, by these rules
+            return all(_same(a[name], b[name]) for name in a.dtype.names)
         if a.dtype == object:  # element by element, by these rules (NaN, tensors inside)
-            return all(map(_same, a.ravel(), b.ravel()))
+            return all(map(_same, np.asarray(a).flat, np.asarray(b).flat))
         try:
             return bool(np.array_equal(a, b, equal_nan=True))
         except TypeError:  # equal_nan needs numbers: strings and the like are compared as they are

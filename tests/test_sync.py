@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -670,7 +671,15 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
             gather_in_order([np.array([1, 2]), other], [0, 0])
     holding_tensors = np.empty(2, dtype=object)
     holding_tensors[:] = [torch.ones(2), 1]
-    assert len(gather_in_order([holding_tensors, np.copy(holding_tensors)], [0, 0])) == 1
+    structured = np.zeros(1, dtype=[("x", "f8"), ("o", "O")])
+    structured["x"], structured["o"][0] = math.nan, torch.ones(3)
+    wide, narrow = np.array([["abc", "de"], ["fghij", "k"]]), np.array([["abc", "de"]])  # <U5 and <U3 rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # numpy's advice against np.matrix
+        matrix = np.matrix([[1, "a"]], dtype=object)  # ravel() of a matrix is a matrix: iterating it recursed
+    for repeated in (holding_tensors, structured, matrix):
+        assert len(gather_in_order([repeated, pickle.loads(pickle.dumps(repeated))], [0, 0])) == 1, repeated
+    assert len(gather_in_order([wide[0], narrow[0]], [0, 0])) == 1  # the same strings, sliced from other batches
     assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
     assert gather_in_order({"b": 1, "a": 2}.keys(), [1, 0]) == ["a", "b"]  # ordered: a sequence of values
 
