@@ -687,6 +687,8 @@ def _same(a: Any, b: Any) -> bool:
     complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
+    if isinstance(a, np.void) and isinstance(b, np.void):  # a row of a structured array: compared as one
+        a, b = np.asarray(a), np.asarray(b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False

@@ -677,7 +677,7 @@ def test_gather_in_order_locally_compares_repeats_inside_containers() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PendingDeprecationWarning)  # numpy's advice against np.matrix
         matrix = np.matrix([[1, "a"]], dtype=object)  # ravel() of a matrix is a matrix: iterating it recursed
-    for repeated in (holding_tensors, structured, matrix):
+    for repeated in (holding_tensors, structured, matrix, structured[0]):  # [0]: a row, np.void
         assert len(gather_in_order([repeated, pickle.loads(pickle.dumps(repeated))], [0, 0])) == 1, repeated
     assert len(gather_in_order([wide[0], narrow[0]], [0, 0])) == 1  # the same strings, sliced from other batches
     assert gather_in_order([torch.Size([2]), (2,)], [0, 0]) == [torch.Size([2])]  # equal, as in Python
