@@ -3,7 +3,8 @@
 ``spawn`` and ``forkserver`` pickle the trainer, the model and the dataloaders for every rank. When one
 object deep inside (a lock held by a batch sampler, a lambda as ``collate_fn``) cannot be pickled, pickle
 only says ``cannot pickle '_thread.lock' object``; :func:`unpicklable_path` walks down to it instead.
-Only called after pickling failed, so a successful launch costs nothing. No Lightning import here.
+Only called after pickling failed, so a successful launch costs nothing. :func:`error_message` makes an
+error's message safe to send to the other ranks. No Lightning import here.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator, List, Optional, Tuple
 
-__all__ = ["unpicklable_path", "PICKLING_ERRORS"]
+__all__ = ["unpicklable_path", "error_message", "PICKLING_ERRORS"]
 
 #: What pickling raises for an object it cannot handle.
 PICKLING_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
@@ -72,3 +73,12 @@ def unpicklable_path(root: Any, name: str) -> Optional[str]:
         seen.add(id(current))
         chain.append(f"{step} ({type(current).__name__})")
     return " -> ".join(chain)
+
+
+def error_message(error: BaseException) -> str:
+    """``str(error)`` as a plain str, which always pickles (a str subclass may not), for sending to other ranks;
+    a placeholder when the error's ``__str__`` fails."""
+    try:
+        return str.__str__(str(error))
+    except Exception:  # noqa: BLE001 - the report must go out whatever the error does
+        return "(its message could not be made)"

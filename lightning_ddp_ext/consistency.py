@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch.distributed as dist
 
 from lightning_ddp_ext import _store
+from lightning_ddp_ext._pickling import error_message
 
-__all__ = ["SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence"]
+__all__ = ["SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence", "report_failure"]
 
 #: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
 _HEAD_ITEMS = 64
@@ -103,7 +104,9 @@ class RunningDigest:
             hint = (
                 " If it yields single indices, wrap it with DistributedSamplerWrapper instead."
                 if self._batched
-                else " If it yields batches, wrap it with DistributedBatchSamplerWrapper instead."
+                else " If it yields batches, wrap it with DistributedBatchSamplerWrapper instead (in a"
+                " DataLoader(sampler=..., batch_size=None), pass sampler=DistributedBatchSamplerWrapper(your_sampler):"
+                " patch_dataloader_to_ddp and CustomDDP leave a loader that is already dealt as it is)."
             )
             raise TypeError(
                 f"{self._sampler} yielded {item!r} ({type(item).__name__}) at position {position}; each item must"
@@ -118,20 +121,55 @@ def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any
     """Raise RuntimeError unless every rank of ``group`` holds the same digests, in one collective.
 
     Every rank must call this at the same point with digests of the same samplers in the same order (it
-    is a collective). ``None`` entries (a sampler not iterated yet) take part as they are. Does nothing
-    when no process group is initialised.
+    is a collective), or :func:`report_failure` in its place. ``None`` entries (a sampler not iterated yet)
+    take part as they are. Does nothing when no process group is initialised.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    gathered = _gather(tuple(digests), group)
+    if gathered is None:
         return
-    gathered: list[Optional[tuple[Optional[SequenceDigest], ...]]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, tuple(digests), group=group)
+    failed = [(rank, sent) for rank, sent in enumerate(gathered) if isinstance(sent, _Failure)]
+    if failed:
+        rank, failure = failed[0]
+        raise RuntimeError(
+            f"rank {rank} failed before it could compare its samplers with the other ranks ({failure.description});"
+            " every rank stops here rather than wait for it. Fix the error on that rank (see its own traceback)."
+        )
     reference = gathered[0]
-    assert reference is not None
     for rank, others in enumerate(gathered):
-        assert others is not None
+        if len(others) != len(reference):
+            raise RuntimeError(
+                f"rank 0 compared {len(reference)} sampler(s) but rank {rank} {len(others)}: every rank must build the"
+                " same dataloaders, with the same kinds of sampler, in the same order."
+            )
         for mine, theirs in zip(reference, others):
             if mine != theirs:
                 raise _divergence_error(mine, theirs, rank)
+
+
+def report_failure(error: BaseException, group: Optional[Any] = None) -> None:
+    """Take part in the other ranks' :func:`verify_same_sequence` for a rank that failed before it had digests.
+
+    Without it the others would wait in the collective until the process group's timeout and then fail with
+    an error that does not name the cause; with it they raise at once, naming this rank and ``error``. The
+    caller raises ``error`` itself afterwards. Does nothing when no process group is initialised.
+    """
+    _gather(_Failure(f"{type(error).__name__}: {error_message(error)}"), group)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What a failed rank sends in place of its digests."""
+
+    description: str
+
+
+def _gather(sent: Any, group: Optional[Any]) -> Optional[list[Any]]:
+    """Every rank's ``sent``, in rank order; None when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sent, group=group)
+    return gathered
 
 
 def _divergence_error(

@@ -9,7 +9,8 @@ What gets wrapped, by what the loader holds:
 * a custom index sampler (under torch's plain ``BatchSampler`` or none): ``DistributedSamplerWrapper``,
   then batched as before;
 * any other batch sampler (a ``BatchSampler`` subclass or a class of its own): ``DistributedBatchSamplerWrapper``,
-  which deals its batches out whole.
+  which deals its batches out whole; so is a ``BatchSampler`` (or subclass) given as ``sampler=`` with
+  ``batch_size=None``, whose items are batches.
 
 No Lightning import here: this works with plain ``torch.distributed``.
 """
@@ -191,7 +192,7 @@ def patch_dataloader_to_ddp(
     their own class, with Lightning's record of their arguments).
 
     Once patched, a default sampler's order comes from ``seed + epoch`` (the same on every rank), no longer
-    from the loader's ``generator=``. Before each epoch call ``set_epoch(epoch)`` on
+    from the loader's ``generator=`` or the ``RandomSampler``'s own. Before each epoch call ``set_epoch(epoch)`` on
     ``loader.batch_sampler.sampler``, or on ``loader.sampler`` when ``loader.batch_sampler`` is None
     (``batch_size=None``): in every loader this shards that is the new sampler, or for a custom batch sampler
     a relay to its wrapper (where Lightning's loop calls it too).
@@ -214,8 +215,10 @@ def patch_dataloader_to_ddp(
         warning). Explicit ``num_replicas``/``rank`` are validated in every case.
 
     Raises:
-        ValueError: ``num_replicas``/``rank`` out of range or not integers; an empty dataset under a default
-            sampler; ``pad=False`` with fewer items than ranks.
+        ValueError: ``num_replicas``/``rank`` out of range or not integers; an empty sampler or dataset;
+            ``pad=False`` with fewer items than ranks; an option of the wrong type.
+        TypeError: an unknown option; not a DataLoader; ``dataset=None``; a sampler without ``__len__``.
+        RuntimeError: no process group, and only one of ``num_replicas``/``rank`` given.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -271,6 +274,11 @@ def patch_dataloader_to_ddp(
     if sampler is None:
         new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
+    if batch_sampler is None and isinstance(sampler, BatchSampler):
+        # DataLoader(sampler=BatchSampler(...), batch_size=None): the dataset fetches a whole batch per key, so
+        # the sampler's items are batches, dealt whole like a batch sampler's.
+        batches = DistributedBatchSamplerWrapper(sampler, **wrapper_kwargs)
+        return DataLoader(dataset, batch_size=None, sampler=batches, **carried)
 
     # The batch sampler's own size and drop_last: with DataLoader(batch_sampler=BatchSampler(...)),
     # loader.batch_size is None.

@@ -27,13 +27,13 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat
-from lightning_ddp_ext.consistency import SequenceDigest, verify_same_sequence
+from lightning_ddp_ext.consistency import SequenceDigest, report_failure, verify_same_sequence
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp, uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
+    _check_seed,
     _check_shuffle_window,
-    _integer_or_none,
 )
 from lightning_ddp_ext.sync import gather_in_order
 
@@ -171,8 +171,8 @@ class CustomDDP(DDPStrategy):
             raise ValueError(f"eval_mode must be 'pad' or 'exact', got {eval_mode!r}.")
         # here, not in each rank at loader set-up
         shuffle_window = _check_shuffle_window(shuffle_window, type(self).__name__)
-        if seed is not None and _integer_or_none(seed) is None:
-            raise ValueError(f"{type(self).__name__}: seed must be an integer or None, got {seed!r}.")
+        if seed is not None:
+            _check_seed(seed, type(self).__name__)
         super().__init__(**kwargs)
         self.eval_mode = eval_mode
         self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
@@ -433,26 +433,22 @@ class CustomDDP(DDPStrategy):
             self._warn_unsharded(dataloader, stage)
             return dataloader
         training = stage == RunningStage.TRAINING
-        options = self.sharding_options(training)
-        default = uses_default_sampler(dataloader)
-        # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
-        # "ddp". It still takes part in the length check below, which fails on every rank if others are not empty.
-        empty = default and len(dataloader.dataset) == 0  # type: ignore[arg-type]
-        if default:
-            # A DistributedSampler, shuffled when the loader was (stock Lightning shuffles every training loader;
-            # we keep the user's choice): the batch shuffle and its window are for custom samplers.
-            options.update(shuffle=None, shuffle_window=None)
-        patched = dataloader if empty else patch_dataloader_to_ddp(dataloader, **options)
+        try:
+            patched, empty = self._patch(dataloader, training)
+            checked = self.check_sampler_consistency and (patched is not dataloader or empty)
+            dealt = _dealt_source(patched) if checked else None
+        except Exception as error:
+            if self.check_sampler_consistency:  # the other ranks are about to wait for this one in the length check
+                report_failure(error)
+            raise
         if patched is dataloader and not empty:  # an IterableDataset, or a loader the user sharded already
             return patched
-        if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
-            patched = _compat.rebuild_dataloader(dataloader, patched)
         wrapper = _wrapper_of(patched)
         if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
-        if self.check_sampler_consistency:
+        if dealt is not None:
             # Every rank must deal the same number of items, or the ranks step different numbers of times.
-            source, length = _dealt_source(patched)
+            source, length = dealt
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
         if empty:
             return patched
@@ -461,6 +457,23 @@ class CustomDDP(DDPStrategy):
         if training:
             self._prepare_first_epoch(patched, trainer)
         return patched
+
+    def _patch(self, dataloader: DataLoader, training: bool) -> tuple[DataLoader, bool]:
+        """``dataloader`` dealt for this rank (itself when there is nothing to deal), and whether it is empty."""
+        options = self.sharding_options(training)
+        default = uses_default_sampler(dataloader)
+        # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
+        # "ddp". It still takes part in the length check, which fails on every rank if others are not empty.
+        empty = default and len(dataloader.dataset) == 0  # type: ignore[arg-type]
+        if default:
+            # A DistributedSampler, shuffled when the loader was (stock Lightning shuffles every training loader;
+            # we keep the user's choice): the batch shuffle and its window are for custom samplers.
+            options.update(shuffle=None, shuffle_window=None)
+        patched = dataloader if empty else patch_dataloader_to_ddp(dataloader, **options)
+        if patched is not dataloader and type(dataloader) is not DataLoader:
+            # a subclass: keep its class (its __iter__, its arguments)
+            patched = _compat.rebuild_dataloader(dataloader, patched)
+        return patched, empty
 
     def _refuse_rank_without_batches(self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage]) -> None:
         """Raise, on every rank alike, when an exact deal leaves some rank with no evaluation batch.

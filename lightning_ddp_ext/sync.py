@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_ddp_ext._pickling import error_message
+
 __all__ = ["sync_dicts", "gather_in_order"]
 
 _ALIGN = 16  # bytes; the largest element size (complex128), so every packed tensor can be viewed in place
@@ -242,10 +244,7 @@ def _report(problem: Exception) -> Tuple[Type[Exception], str]:
     errors for a tensor it cannot describe, the user's from a generator of values) as a RuntimeError that
     names its type."""
     kind = next((kind for kind in (TypeError, ValueError) if isinstance(problem, kind)), None)
-    try:  # a plain str: a subclass of str may not pickle, and the report must reach the other ranks
-        message = str.__str__(str(problem))
-    except Exception:  # an exception whose __str__ fails too
-        message = "(its message could not be made)"
+    message = error_message(problem)
     return (kind, message) if kind is not None else (RuntimeError, f"{type(problem).__name__}: {message}")
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_ddp_ext import dataloader, patch_dataloader_to_ddp
-from lightning_ddp_ext.consistency import verify_same_sequence
+from lightning_ddp_ext.consistency import report_failure, verify_same_sequence
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
 
@@ -150,6 +150,42 @@ def test_without_automatic_batching_indices_are_dealt() -> None:
     assert [int(x) for x in patch_dataloader_to_ddp(loader, 2, 1)] == [1, 3, 5, 0]
 
 
+class BatchFetching(Dataset):
+    """A dataset that fetches a whole batch for a list of keys, as with ``DataLoader(sampler=BatchSampler(...),
+    batch_size=None)``."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, keys: List[int]) -> List[int]:
+        return [key * 10 for key in keys]
+
+
+class Pairs(BatchSampler):
+    """A BatchSampler subclass that builds its own batches: pairs of indices, reversed."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter([[1, 0], [3, 2], [5, 4]])
+
+    def __len__(self) -> int:
+        return 3
+
+
+@pytest.mark.parametrize(
+    "batches", [BatchSampler(SequentialSampler(range(10)), 3, drop_last=False), Pairs()], ids=["plain", "subclass"]
+)
+def test_a_batch_sampler_given_as_sampler_without_automatic_batching_is_dealt_whole(batches: BatchSampler) -> None:
+    """Its items are batches: each rank gets whole ones, fetched as the single-process loader fetches them."""
+    loader = DataLoader(BatchFetching(), sampler=batches, batch_size=None)
+    whole = list(loader)
+    shares = [list(patch_dataloader_to_ddp(loader, 2, rank, pad=False)) for rank in range(2)]
+    assert shares == [whole[0::2][: len(whole) // 2], whole[1::2][: len(whole) // 2]]
+    assert isinstance(patch_dataloader_to_ddp(loader, 2, 0).sampler, DistributedBatchSamplerWrapper)
+
+
 def test_unchanged_with_warning_when_nothing_to_shard() -> None:
     class Stream(IterableDataset):
         def __iter__(self) -> Iterator[int]:
@@ -240,17 +276,36 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
     verify_same_sequence(seeded.head_digest)
     unseeded = DistributedBatchSamplerWrapper(BatchSampler(RandomSampler(range(30)), 4, False))
     next(iter(unseeded))
-    try:
-        verify_same_sequence(unseeded.head_digest)
-    except RuntimeError as error:
-        return gathered, str(error)
-    return gathered, None
+    errors = {}
+    calls: Dict[str, Callable[[], None]] = {
+        "unseeded": lambda: verify_same_sequence(unseeded.head_digest),
+        # rank 2 compares one sampler more than the others: the extra one must not go unchecked
+        "count": lambda: verify_same_sequence(*[seeded.head_digest] * (1 + (rank == 2))),
+        # rank 1 failed before it had digests: the others must raise at once, naming it, not wait for it
+        "failure": lambda: (
+            report_failure(ValueError("list is empty")) if rank == 1 else verify_same_sequence(seeded.head_digest)
+        ),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except RuntimeError as error:
+            errors[name] = str(error)
+    return gathered, errors
 
 
 def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
-    gathered, unseeded_error = run_distributed(_three_rank_epochs, 3)[0]
-    assert unseeded_error is not None and "BatchSampler does not produce the same sequence" in unseeded_error
+    results = run_distributed(_three_rank_epochs, 3)
+    gathered, errors = results[0]
+    unseeded_error = errors["unseeded"]
+    assert "BatchSampler does not produce the same sequence" in unseeded_error
     assert "Seed the sampler identically on every rank" in unseeded_error
+    for rank, (_, raised) in enumerate(results):
+        assert raised.keys() == ({"unseeded", "count"} | ({"failure"} if rank != 1 else set())), (rank, raised)
+        assert "rank 0 compared 1 sampler(s) but rank 2 2" in raised["count"], raised["count"]
+        if rank != 1:
+            assert "rank 1 failed before it could compare" in raised["failure"], raised["failure"]
+            assert "ValueError: list is empty" in raised["failure"], raised["failure"]
     for epoch in range(2):
         user = ClassBalancedBatches(30, 4, seed=11)
         user.set_epoch(epoch)
@@ -413,7 +468,8 @@ def test_empty_dataset_under_a_default_sampler_is_refused_whatever_pad(options: 
     [
         ({"shuffle": "no"}, "shuffle must be True or False, got 'no'"),
         ({"pad": "no"}, "pad must be True or False, got 'no'"),
-        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**63 - 1], got 1.5"),
+        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
         ({"shuffle_window": 0}, "shuffle_window must be None or an integer >= 1, got 0"),
     ],
 )

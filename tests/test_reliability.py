@@ -304,17 +304,17 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
 
 
 # ------------------------------------------------------------------------------------------------ multi-node
-def node_commands(how: str, out: Path, port: int) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
+def node_commands(how: str, out: Path, port: int, *options: str) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
     script = str(SCRIPTS / "reliability_multinode.py")
     commands = {}
     for node in range(2):
         if how == "torchrun":
             torchrun = str(Path(sys.executable).with_name("torchrun"))
             command = [torchrun, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-                       "--master_addr=127.0.0.1", f"--master_port={port}", script, str(out)]
+                       "--master_addr=127.0.0.1", f"--master_port={port}", script, str(out), *options]
             env = job_env(port)
         else:
-            command = [sys.executable, script, str(out)]
+            command = [sys.executable, script, str(out), *options]
             env = job_env(port, NODE_RANK=str(node))  # the launcher sets WORLD_SIZE from num_nodes x devices
         commands[f"node{node}"] = (command, env)
     return commands
@@ -340,3 +340,19 @@ def test_two_nodes_on_one_machine_partition_the_data(how: str, environment: str,
         assert shares == expected_shares(64, 1, epoch, 0)
         assert_partition(shares, 64, 1, epoch)
     assert_same_weights(load_weights(tmp_path, 0), load_weights(tmp_path, 1))  # one model across the nodes
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_rank_failing_to_deal_its_loader_ends_the_other_at_once_naming_the_cause(tmp_path: Path) -> None:
+    """Two nodes, no launcher watching both: rank 1's empty sampler fails while its loader is dealt. Rank 0,
+    already in the cross-rank length check, must raise at once with rank 1's error: not a gloo error about a
+    lost peer (rank 1's process ended), nor a timeout (rank 1's process lives on, in a notebook say)."""
+    commands = node_commands("env", tmp_path, free_port(), "--empty-sampler-on-rank-1")
+    jobs = {name: start_job(command, tmp_path, env, name) for name, (command, env) in commands.items()}
+    results = finish_jobs(jobs, tmp_path)
+    (code0, log0), (code1, log1) = results["node0"], results["node1"]
+    assert code0 != 0 and code1 != 0, (code0, code1)
+    assert "list is empty (len() == 0)" in log1, log1[-3000:]
+    assert "rank 1 failed before it could compare its samplers" in log0, log0[-3000:]
+    assert "ValueError: list is empty" in log0, log0[-3000:]
+    assert "Timed out" not in log0, log0[-3000:]
