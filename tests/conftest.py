@@ -6,17 +6,25 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from lightning.pytorch.strategies import StrategyRegistry
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port  # noqa: E402
+from scenarios import TEST_PG_TIMEOUT  # noqa: E402
+
+import lightning_ddp_ext  # noqa: E402
 
 
 @pytest.fixture
 def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Loopback rendezvous on a fresh port for spawned ranks; fails (killing them) if a rank outlives the test."""
+    """Loopback rendezvous on a fresh port for spawned ranks (restored afterwards: Lightning's launcher writes
+    ``MASTER_PORT`` into this process), the short ``TEST_PG_TIMEOUT`` for the strategies picked by name,
+    and a failure (killing them) if a rank outlives the test."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for name in lightning_ddp_ext.register():
+        monkeypatch.setitem(StrategyRegistry[name]["init_params"], "timeout", TEST_PG_TIMEOUT)
     before = children_baseline()
     yield
     assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)

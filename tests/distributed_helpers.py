@@ -230,9 +230,23 @@ def single_rank_in_this_process(port: int) -> Iterator[None]:
 
 def run_python(*args: str, timeout: float, cwd: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` (a script and its arguments, or ``-c CODE``) in the environment of
-    :func:`free_env`, and fail with the end of its stderr unless it exits 0."""
-    result = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=free_env(), cwd=cwd
+    :func:`free_env`, and fail with the end of its stderr unless it exits 0.
+
+    The script runs in a session of its own, and every process of that session still alive when it ends or
+    times out is killed: a launcher's other ranks are its children, and one stuck outside a collective would
+    outlive it."""
+    command = [sys.executable, *args]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=free_env(), cwd=cwd,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_pids(session_members(process.pid))
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(args)[:200]} did not finish within {timeout:.0f} s:\n{stderr[-3000:]}")
+    finally:
+        kill_pids(session_members(process.pid))
+    assert process.returncode == 0, stderr[-3000:]
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -6,6 +6,7 @@ Module-level so that spawned ranks can unpickle them. Each rank writes what it s
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -16,6 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
 
 from lightning_ddp_ext import CustomDDP
+
+#: Process-group timeout of the strategies tests build: a rank that hangs fails its test within a minute, with
+#: the collective's timeout error, instead of at pytest's timeout (the default is 30 minutes).
+TEST_PG_TIMEOUT = timedelta(seconds=60)
 
 DATASET_SIZE = 48
 

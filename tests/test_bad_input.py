@@ -182,31 +182,39 @@ def test_items_that_are_not_indices_raise_naming_the_sampler_and_the_item(
 @pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
 def test_items_past_the_first_64_are_checked_on_a_sample_and_never_altered(options: dict) -> None:
     """Documented limit: past the first 64 items only a sample is validated (full shuffle: every item this rank
-    keeps). An unchecked bad item reaches the dataset unchanged, exactly as on one process; it is never altered."""
+    keeps). An unchecked bad item reaches the dataset unchanged, exactly as on one process; it is never altered.
+    Every rank's outcome is checked: the same error or the same count, and the item unchanged where it goes."""
     for position in range(64, 200, 7):
         batches: List[Any] = [[i] for i in range(200)]
         batches[position] = [0.5]
-        try:
-            yielded = [b for r in range(WORLD) for b in DistributedBatchSamplerWrapper(
-                Batches(batches), num_replicas=WORLD, rank=r, **options)]
-        except TypeError as error:
-            assert "Batches yielded [0.5]" in str(error)
-        else:
-            assert [0.5] in yielded
+        outcomes = shares(lambda r: DistributedBatchSamplerWrapper(Batches(batches), WORLD, r, **options))
+        failed = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
+        for _, error in failed:
+            assert isinstance(error, TypeError) and "Batches yielded [0.5]" in str(error), error
+        if "shuffle_window" in options or not options:  # streaming: a sampled position fails on every rank alike
+            assert len(failed) in (0, WORLD), f"position {position}: only some ranks raised: {outcomes}"
+        if not failed:
+            assert [len(outcome) for outcome in outcomes] == [100] * WORLD, position
+            assert sum(outcome.count([0.5]) for outcome in outcomes) == 1, f"position {position}: altered or lost"
 
 
-def test_full_shuffle_never_truncates_float_indices() -> None:
+@pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
+def test_full_shuffle_never_truncates_float_indices(options: dict) -> None:
     """Full shuffle stores this rank's share as integers: a tuple of floats past the sampled positions is refused
-    there (int() would truncate 70.9 to 70, silently); in-order and windowed modes pass it on unchanged."""
+    by the rank that keeps it (int() would truncate 70.9 to 70, silently); in-order and windowed modes pass it on
+    unchanged, exactly as one process would."""
     batches: List[Any] = [[i] for i in range(200)]
     batches[70] = (70.9,)
-    try:
-        yielded = [b for r in range(WORLD) for b in DistributedBatchSamplerWrapper(
-            Batches(batches), num_replicas=WORLD, rank=r, shuffle=True)]
-    except TypeError as error:
-        assert "Batches yielded (70.9,)" in str(error)
+    outcomes = shares(lambda r: DistributedBatchSamplerWrapper(Batches(batches), WORLD, r, **options))
+    if options.get("shuffle") and "shuffle_window" not in options:
+        failed = [outcome for outcome in outcomes if isinstance(outcome, tuple)]
+        assert len(failed) == 1, outcomes
+        assert isinstance(failed[0][1], TypeError) and "Batches yielded (70.9,)" in str(failed[0][1])
+        [kept] = [outcome for outcome in outcomes if not isinstance(outcome, tuple)]
+        assert len(kept) == 100 and [70] not in kept, "70.9 was truncated"
     else:
-        assert [70] not in yielded, "70.9 was silently truncated to 70"
+        assert all(isinstance(outcome, list) for outcome in outcomes), outcomes
+        assert sum(outcome.count((70.9,)) for outcome in outcomes) == 1, "70.9 was altered or lost"
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,14 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 import torch
 from distributed_helpers import single_rank_in_this_process
 from reliability_common import free_port
-from scenarios import IndexDataset, LengthBuckets, trainer_kwargs
+from scenarios import TEST_PG_TIMEOUT, IndexDataset, LengthBuckets, trainer_kwargs
 from torch.utils.data import DataLoader
 
 import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP
+
+# Every test that spawns ranks: a fresh port and no rank left behind (see conftest.spawn_job).
+pytestmark = pytest.mark.usefixtures("spawn_job")
 
 SIZE = 45  # odd, so 2 ranks need padding in "pad" mode and get uneven shares in "exact" mode
 
@@ -71,7 +74,9 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
     model = Embedder(str(tmp_path))
     with torch.no_grad():
         expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in range(SIZE)]))
-    strategy = CustomDDP(start_method="spawn", eval_mode=eval_mode, pad_to_world_size=pad_to_world_size)
+    strategy = CustomDDP(
+        start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode=eval_mode, pad_to_world_size=pad_to_world_size
+    )
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     trainer.validate(model, loaders())
     reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
@@ -94,7 +99,8 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
 def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Path, strategy_class: str, where: str) -> None:
     if strategy_class == "CustomDDPSharded":
         pytest.importorskip("fairscale")
-    strategy = getattr(lightning_ddp_ext, strategy_class)(start_method="spawn", eval_mode="exact")
+    strategy_type = getattr(lightning_ddp_ext, strategy_class)
+    strategy = strategy_type(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     with pytest.raises(Exception, match="inside a validation/test batch.*per-step collective would hang"):
         trainer.validate(Embedder(str(tmp_path), log_per_batch_in=where), loaders()[0])
@@ -136,7 +142,7 @@ class GatherAtEpochStart(pl.LightningModule):
 def test_exact_mode_allows_collectives_outside_the_steps_during_fit(tmp_path: Path) -> None:
     """An epoch-start all_gather, and the barrier Lightning runs when it reloads the loaders, are not refused."""
     trainer = pl.Trainer(
-        strategy=CustomDDP(start_method="spawn", eval_mode="exact"),
+        strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact"),
         **trainer_kwargs(reload_dataloaders_every_n_epochs=1),
     )
     trainer.fit(GatherAtEpochStart(str(tmp_path)), DataLoader(IndexDataset(8), batch_size=2), DataLoader(IndexDataset(5)))
@@ -152,7 +158,8 @@ class MeanLogger(pl.LightningModule):
 
 def test_exact_mode_sync_dist_mean_weighs_every_sample_once() -> None:
     """3 samples in batches of 4: rank 0 evaluates 2, rank 1 one; the logged mean is that of the 3 samples."""
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     data = IndexDataset(3)
     [metrics] = trainer.validate(MeanLogger(), DataLoader(data, batch_size=4), verbose=False)
     assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(3)) / 3)
@@ -191,6 +198,7 @@ def test_exact_mode_after_a_failed_batch_leaves_lightning_s_collectives_alone(tm
 
 
 def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> None:
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", eval_mode="exact"), **trainer_kwargs())
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     with pytest.raises(Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"):
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))

@@ -342,17 +342,33 @@ def test_two_nodes_on_one_machine_partition_the_data(how: str, environment: str,
     assert_same_weights(load_weights(tmp_path, 0), load_weights(tmp_path, 1))  # one model across the nodes
 
 
+#: Fault of reliability_multinode.py -> what each rank's own error must say.
+RANK_ERRORS = {
+    # rank 1 fails while its loader is dealt; rank 0, already in the cross-rank length check, must raise at once
+    # naming it: not a gloo error about a lost peer (rank 1's process ended), nor a timeout (it lives on, in a
+    # notebook say)
+    "empty-sampler-on-rank-1": [
+        "rank 1 failed before it could compare its samplers with the other ranks (ValueError: list is empty",
+        "list is empty (len() == 0): there is nothing to deal out among 2 ranks",
+    ],
+    "unseeded": ["PKBatches does not produce the same sequence on every rank"] * WORLD,
+    "length-by-rank": ["PKBatches does not produce the same sequence on every rank: len() is 8 on rank 0 but 9"] * WORLD,
+}
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_rank_failing_to_deal_its_loader_ends_the_other_at_once_naming_the_cause(tmp_path: Path) -> None:
-    """Two nodes, no launcher watching both: rank 1's empty sampler fails while its loader is dealt. Rank 0,
-    already in the cross-rank length check, must raise at once with rank 1's error: not a gloo error about a
-    lost peer (rank 1's process ended), nor a timeout (rank 1's process lives on, in a notebook say)."""
-    commands = node_commands("env", tmp_path, free_port(), "--empty-sampler-on-rank-1")
+@pytest.mark.parametrize("fault", sorted(RANK_ERRORS))
+def test_sampler_faults_fail_on_every_rank_with_their_cause(fault: str, tmp_path: Path) -> None:
+    """Two nodes, no launcher watching both, so each rank ends by itself: each must raise its own clear error
+    before training (a Trainer test under spawn sees only the first rank's error; the launcher kills the rest)."""
+    commands = node_commands("env", tmp_path, free_port(), "--fault", fault)
     jobs = {name: start_job(command, tmp_path, env, name) for name, (command, env) in commands.items()}
     results = finish_jobs(jobs, tmp_path)
-    (code0, log0), (code1, log1) = results["node0"], results["node1"]
-    assert code0 != 0 and code1 != 0, (code0, code1)
-    assert "list is empty (len() == 0)" in log1, log1[-3000:]
-    assert "rank 1 failed before it could compare its samplers" in log0, log0[-3000:]
-    assert "ValueError: list is empty" in log0, log0[-3000:]
-    assert "Timed out" not in log0, log0[-3000:]
+    for rank, expected in enumerate(RANK_ERRORS[fault]):
+        code, log = results[f"node{rank}"]
+        error_file = tmp_path / f"rank{rank}.error"
+        assert code != 0 and error_file.exists(), f"rank {rank} did not fail:\n{log[-3000:]}"
+        error = error_file.read_text()
+        assert expected in error, f"rank {rank}:\n{error[-3000:]}"
+        assert "Timed out" not in error and "Connection closed" not in error, f"rank {rank}:\n{error[-3000:]}"
+    assert not list(tmp_path.glob("rank*.json")), "a rank trained"

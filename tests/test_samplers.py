@@ -467,9 +467,17 @@ def test_tensor_and_numpy_batches_are_accepted() -> None:
     assert [b.tolist() for b in DistributedBatchSamplerWrapper(batches, 2, 1)] == [[2, 3]]
 
 
-@pytest.mark.parametrize("world,rank", [(2, 2), (2, -1), (0, 0), (2, 0.5)])
-def test_bad_world_or_rank(world: int, rank: Any) -> None:
-    with pytest.raises(ValueError, match="num_replicas|rank"):
+@pytest.mark.parametrize(
+    "world,rank,message",
+    [
+        (2, 2, "rank must be an integer in [0, 1], got 2"),
+        (2, -1, "rank must be an integer in [0, 1], got -1"),
+        (0, 0, "num_replicas must be an integer >= 1, got 0"),
+        (2, 0.5, "rank must be an integer in [0, 1], got 0.5"),
+    ],
+)
+def test_bad_world_or_rank(world: int, rank: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
         DistributedBatchSamplerWrapper([[0]], world, rank)
 
 

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from packaging.version import Version
 from scenarios import (
     DATASET_SIZE,
+    TEST_PG_TIMEOUT,
     CountingDDP,
     IndexDataset,
     LengthBuckets,
@@ -37,6 +38,10 @@ from lightning_ddp_ext.sync import gather_in_order
 
 HERE = Path(__file__).parent
 
+# Every test that spawns ranks: a fresh port, a short process-group timeout for the strategies named by a
+# string, and no rank left behind (tests that run no ranks pay only a look at /proc).
+pytestmark = pytest.mark.usefixtures("spawn_job")
+
 
 def batches_of(rank_report: Dict[str, Any], key: str, epoch: int) -> List[List[int]]:
     return [indices for e, indices in rank_report["seen"][key] if e == epoch]
@@ -46,7 +51,7 @@ def test_every_kind_of_custom_sampler_is_dealt_disjointly(tmp_path: Path) -> Non
     """The four sampler kinds stock Lightning crashes on or silently duplicates, in one 2-epoch fit."""
     loaders = loaders_by_kind()
     val = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=5))
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn"), **trainer_kwargs())
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
     trainer.fit(Recorder(str(tmp_path)), train_dataloaders=loaders, val_dataloaders=val)
     ranks = read_ranks(str(tmp_path), 2)
     for name, loader in loaders.items():
@@ -83,8 +88,10 @@ def test_configure_ddp_override_and_one_allreduce_per_optimizer_step(tmp_path: P
     data = IndexDataset(32)  # 16 batches of 1 per rank
     rounds = {}
     for accumulate, strategy in (
-        (4, CountingDDP(start_method="spawn")),  # hook registered in a configure_ddp override
-        (1, CustomDDP(start_method="spawn", ddp_comm_hook=counting_allreduce)),  # ddp_comm_hook= on gloo
+        # hook registered in a configure_ddp override
+        (4, CountingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT)),
+        # ddp_comm_hook= on gloo
+        (1, CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, ddp_comm_hook=counting_allreduce)),
     ):
         out = tmp_path / f"acc{accumulate}"
         out.mkdir()
@@ -399,7 +406,7 @@ def test_sampler_kwargs_that_lightning_cannot_take_are_explained_before_predict(
     """Lightning shards predict loaders with this dict as torch's sampler arguments and fails on our keys with
     "got multiple values for argument 'shuffle'". A warning says why first (a warning, not an error: a predict
     loader Lightning does not shard, over an IterableDataset, works with the same override)."""
-    trainer = pl.Trainer(strategy=SamplerKwargsDDP(start_method="spawn"), **trainer_kwargs())
+    trainer = pl.Trainer(strategy=SamplerKwargsDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
     with pytest.raises(Exception, match="multiple values for argument 'shuffle'"):
         trainer.predict(Predictor(str(tmp_path)), DataLoader(IndexDataset(), batch_size=8), return_predictions=False)
     assert "returned ['shuffle'] during predict" in capfd.readouterr().err

@@ -397,7 +397,7 @@ def test_tensors_do_not_travel_as_pickles(per_rank: List[Dict[str, Any]]) -> Non
         ("trailing", ["'t'", "(3,)", "(4,)"]),
         ("dtype", ["'t'", "torch.float32", "torch.float64"]),
         ("kind", ["'t'", "tensor", "list"]),
-        ("world_size", ["world_size"]),
+        ("world_size", ["world_size=", "but the process group has"]),
     ],
 )
 def test_unmergeable_inputs_raise_on_every_rank(per_rank: List[Dict[str, Any]], case: str, words: List[str]) -> None:
@@ -475,8 +475,11 @@ def test_gather_in_order_accepts_a_padded_sample_from_a_smaller_batch(per_rank: 
     index = torch.cat([_linear_embeddings(r, len(per_rank))[1] for r in range(len(per_rank))])
     embeddings = torch.cat(locals_)
     first = [int((index == i).nonzero()[0]) for i in range(LINEAR_SAMPLES)]  # the copy of the lowest rank
-    # Where the kernels round both batch sizes alike, the repeat is bitwise equal and this checks less; with
-    # torch 2.13 on x86 CPUs it was not (about 100 of the 128 elements differed in their last bit).
+    # Where the kernels round both batch sizes alike, the repeat is bitwise equal and there is nothing to
+    # tolerate; with torch 2.13 on x86 CPUs it was not (about 100 of the 128 elements differed in their last bit).
+    copies = [(index == i).nonzero().flatten().tolist() for i in range(LINEAR_SAMPLES)]
+    if all(torch.equal(embeddings[rows[0]], embeddings[row]) for rows in copies for row in rows[1:]):
+        pytest.skip("this machine's kernels round both batch sizes alike: no repeat differs, nothing to check")
     for rank, results in enumerate(per_rank):
         _assert_same(results["linear"], embeddings[first], f"rank {rank}")
 

@@ -1,32 +1,46 @@
 """One "node" of a 2-node job on this machine: Trainer(num_nodes=2, devices=1, strategy=CustomDDP(...)).
 
-Usage: python reliability_multinode.py OUT_DIR [--empty-sampler-on-rank-1]
+Usage: python reliability_multinode.py OUT_DIR [--fault FAULT]
 
 Started twice, either by ``torchrun --nnodes=2 --nproc_per_node=1 --node_rank=i`` (Lightning picks its
 TorchElasticEnvironment) or directly with MASTER_ADDR/MASTER_PORT/NODE_RANK/WORLD_SIZE set (Lightning's
 default LightningEnvironment). Nothing here is specific to either: the cluster environment is Lightning's.
-Each rank writes ``OUT_DIR/rank<R>.json`` with its batches and the environment it ran in.
+Each rank writes ``OUT_DIR/rank<R>.json`` with its batches and the environment it ran in, or ``rank<R>.error``.
 
-``--empty-sampler-on-rank-1`` gives rank 1 an empty batch sampler, which fails while its loader is dealt: a
-fault on one rank only, in a job where no launcher watches the other rank (nothing would end it but the
-process-group timeout).
+A ``--fault`` gives the ranks loaders that must fail, on every rank, before training: no launcher watches both
+ranks here, so each rank's own error shows what it saw (see FAULTS).
 """
-import sys
+import argparse
+from typing import Callable, Dict
 
 import lightning.pytorch as pl
 from reliability_common import (
-    DataLoader, IndexDataset, WeightRecorder, env_rank, pk_loader, run_guarded, strategy, trainer_kwargs,
+    DataLoader, IndexDataset, PKBatches, WeightRecorder, env_rank, labels_for, pk_loader, run_guarded, strategy,
+    trainer_kwargs,
 )
 
+#: Fault name -> the train loader of a rank (given its rank).
+FAULTS: Dict[str, Callable[[int], DataLoader]] = {
+    # fails on rank 1 only, while its loader is dealt: rank 0 is already in the cross-rank length check
+    "empty-sampler-on-rank-1": lambda rank: (
+        DataLoader(IndexDataset(8), batch_sampler=[]) if rank == 1 else pk_loader(size=64)
+    ),
+    # every rank draws its own sequence
+    "unseeded": lambda rank: DataLoader(IndexDataset(64), batch_sampler=PKBatches(labels_for(64), 2, 4, seed=None)),
+    # 8 batches on rank 0, 9 on rank 1
+    "length-by-rank": lambda rank: DataLoader(
+        IndexDataset(72), batch_sampler=PKBatches(labels_for(64 + 8 * rank), 2, 4)
+    ),
+}
+
 if __name__ == "__main__":
-    out_dir = sys.argv[1]
-    empty_on_rank_1 = "--empty-sampler-on-rank-1" in sys.argv[2:]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--fault", choices=sorted(FAULTS))
+    args = parser.parse_args()
     trainer = pl.Trainer(
         strategy=strategy("popen", shuffle_batches_between_ranks=True),
         **trainer_kwargs(devices=1, num_nodes=2, max_epochs=2),
     )
-    if empty_on_rank_1 and env_rank() == 1:
-        loader = DataLoader(IndexDataset(8), batch_sampler=[])
-    else:
-        loader = pk_loader(size=64)
-    run_guarded(out_dir, lambda: trainer.global_rank, lambda: trainer.fit(WeightRecorder(out_dir), loader))
+    loader = FAULTS[args.fault](env_rank()) if args.fault else pk_loader(size=64)
+    run_guarded(args.out_dir, lambda: trainer.global_rank, lambda: trainer.fit(WeightRecorder(args.out_dir), loader))
