@@ -40,7 +40,7 @@ RESUME_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch
 SHARDED_LOWEST_TESTS = tests/test_sharded.py::test_16_mixed_ranks_agree_on_skipping_a_step
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
-	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py $(RESUME_TESTS) $(SHARDED_LOWEST_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RESUME_TESTS) $(SHARDED_LOWEST_TESTS)
 
 ## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
 typecheck: $(VENV)/.installed

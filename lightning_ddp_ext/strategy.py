@@ -10,7 +10,9 @@ import gc
 import inspect
 import logging
 import os
+import zlib
 from contextlib import contextmanager, nullcontext
+from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Optional, Union
 
 import torch
@@ -20,7 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -53,6 +55,7 @@ _CONFIGURE_DDP_CONTRACT = (
     " `return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)` (assigning self.model"
     " instead, as Lightning's later argument-less configure_ddp(self) does, is not enough)."
 )
+_requires_grad = attrgetter("requires_grad")
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -188,6 +191,9 @@ class CustomDDP(DDPStrategy):
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
+        #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
+        self._wrapped_parameters: List[Parameter] = []
+        self._wrapped_requires_grad: List[bool] = []
 
     # ------------------------------------------------------------------ process group
     @override
@@ -291,6 +297,9 @@ class CustomDDP(DDPStrategy):
                 f"{type(self).__name__}.configure_ddp must take (self, model, device_ids), but its signature is"
                 f" {inspect.signature(configure_ddp, follow_wrapped=False)}: {_CONFIGURE_DDP_CONTRACT}"
             ) from None
+        # What DistributedDataParallel registers its gradient hooks for (see `on_train_batch_start`).
+        self._wrapped_parameters = list(model.parameters())
+        self._wrapped_requires_grad = list(map(_requires_grad, self._wrapped_parameters))
         wrapped = configure_ddp(self, model, device_ids)
         if not isinstance(wrapped, Module):
             raise TypeError(
@@ -305,6 +314,107 @@ class CustomDDP(DDPStrategy):
             )
         self.model = wrapped
         self._register_comm_hook()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Re-wrap the model when parameters were frozen or unfrozen since it was wrapped.
+
+        torch's ``DistributedDataParallel`` hooks, when it is built, the parameters that require grad then:
+        a parameter unfrozen later (Lightning's ``BaseFinetuning`` unfreezing a backbone) is never all-reduced,
+        so each rank steps it on its own gradient and the ranks drift apart silently; a parameter frozen later
+        leaves DDP waiting for its gradient (an error, or its bucket's gradients not reduced). Lightning calls
+        this hook after the callbacks' and the LightningModule's batch-start hooks and before the step
+        enters ``no_sync`` (gradient accumulation), so the new wrapper serves the whole step.
+
+        The per-step cost is reading ``requires_grad`` of each parameter (no communication). Only a
+        ``DistributedDataParallel`` (or subclass) returned by :meth:`configure_ddp` is re-wrapped; other
+        wrappers are left to handle such changes themselves.
+        """
+        super().on_train_batch_start(batch, batch_idx)
+        if (
+            isinstance(self.model, DistributedDataParallel)
+            and list(map(_requires_grad, self._wrapped_parameters)) != self._wrapped_requires_grad
+        ):
+            self._rewrap_for_changed_requires_grad()
+
+    def _rewrap_for_changed_requires_grad(self) -> None:
+        """Wrap the module again through :meth:`configure_ddp` (the user's override), after retiring the old wrapper.
+
+        Every rank must get here at the same batch: the DDP constructor is a collective (it checks the
+        parameters' shapes across ranks and broadcasts rank 0's parameters and buffers). Flags changed in
+        callbacks or LightningModule hooks change on every rank alike. Ranks that all changed them, but
+        differently, raise a RuntimeError here on every rank (one all-gather, at re-wrap only). Flags changed on
+        some ranks only cannot be detected without a collective at every step: the re-wrapping ranks'
+        collectives then meet the others' gradient all-reduce, which fails or runs into the process group's
+        ``timeout``.
+
+        Gradients accumulated under ``no_sync`` before the re-wrap stay in ``.grad`` and are all-reduced, as
+        part of the sum, at the next synchronising step by the new wrapper; those of parameters frozen in the
+        middle of an accumulation window, which the new wrapper does not reduce, are averaged here (the
+        optimizer still steps a frozen parameter that has a gradient, as on one process). The new wrapper
+        broadcasts rank 0's parameters and buffers (they are equal on all ranks by then), starts a new static
+        graph (``static_graph=True``) and gets the comm hook again (``ddp_comm_hook``, or whatever
+        ``configure_ddp`` registers); a hook state that keeps per-bucket data (PowerSGD's error feedback) sees
+        new buckets.
+        """
+        old = self.model
+        assert isinstance(old, DistributedDataParallel)
+        before = self._wrapped_requires_grad
+        now = list(map(_requires_grad, self._wrapped_parameters))
+        # Gradients of newly frozen parameters: None after Lightning's zero_grad, local sums in a `no_sync` window.
+        left = [p.grad for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
+        left_behind = [grad for grad in left if grad is not None]
+        self._agree_on_requires_grad(now, len(left_behind))
+        for grad in left_behind:  # averaging is a no-op for gradients the old wrapper already reduced
+            dist.all_reduce(grad, group=self.data_parallel_group)
+            grad.div_(dist.get_world_size(self.data_parallel_group))
+        cuda = self.root_device.type == "cuda"
+        if cuda:  # the old wrapper's reduction and the optimizer step are done before rank 0's parameters go out
+            torch.cuda.synchronize(self.root_device)
+        # Its hooks stay on the parameters' gradient accumulators until the reducer is freed (a reference
+        # cycle may keep it alive); a hook left behind would reduce into the old buckets.
+        getattr(old, "_remove_autograd_hooks", lambda: None)()
+        for handle in getattr(old, "_accum_grad_hooks", ()):
+            handle.remove()
+        module = old.module
+        self.model = module
+        del old
+        self._wrap_lightning_model()
+        if self.model is module:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameters were frozen or unfrozen after the model was wrapped in"
+                " DistributedDataParallel, and wrapping it again left it unwrapped. Change requires_grad before"
+                " the fit starts, or make configure_ddp return a new wrapper."
+            )
+        gc.collect()  # free the old buckets now (a wrapper's worth of gradient memory), not at some later step
+        if cuda:
+            torch.cuda.synchronize(self.root_device)
+        if hasattr(self, "_pl_static_graph_delay_done"):  # Lightning >= 2.6: the new wrapper's first iteration
+            self._pl_static_graph_delay_done = False
+        unfrozen = sum(n and not b for n, b in zip(now, before))
+        frozen = sum(b and not n for n, b in zip(now, before))
+        rank_zero_info(
+            f"{type(self).__name__}: {unfrozen} parameter tensor(s) unfrozen and {frozen} frozen since the model was"
+            f" wrapped; wrapped it again ({sum(now)} now require grad) so that DistributedDataParallel synchronises"
+            " the right gradients."
+        )
+
+    def _agree_on_requires_grad(self, flags: List[bool], gradients_left: int) -> None:
+        """Raise on every rank when the ranks about to re-wrap froze or unfroze different parameters."""
+        group = self.data_parallel_group
+        digest = [sum(flags), zlib.crc32(bytes(flags)), gradients_left]
+        mine = torch.tensor(digest, dtype=torch.int64, device=self.root_device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        if any(not torch.equal(other, gathered[0]) for other in gathered):
+            counts = {rank: int(value[0]) for rank, value in enumerate(gathered)}
+            raise RuntimeError(
+                f"{type(self).__name__}: the parameters that require grad differ between ranks (tensors that do, per"
+                f" rank: {counts}; or the gradients of the newly frozen ones exist on some ranks only). Every rank"
+                " must freeze and unfreeze the same parameters at the same step: change requires_grad in code that"
+                " runs alike on every rank (a callback, a LightningModule hook), not depending on the rank or on"
+                " per-rank randomness."
+            )
 
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` for data-parallel training and return the wrapper; override to use another wrapper.
@@ -354,6 +464,7 @@ class CustomDDP(DDPStrategy):
             self.model, DistributedDataParallel
         ):
             self.model = self.lightning_module  # unwrap custom wrappers too, not only torch's DDP
+        self._wrapped_parameters, self._wrapped_requires_grad = [], []
         super().teardown()
 
     # ------------------------------------------------------------------ data
