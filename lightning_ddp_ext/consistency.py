@@ -16,7 +16,13 @@ import torch.distributed as dist
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._pickling import error_message
 
-__all__ = ["SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence", "report_failure"]
+__all__ = [
+    "SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence", "report_failure", "NOT_DEALT"
+]
+
+#: ``declared_length`` of the digest a rank sends for a loader it does not deal (an IterableDataset, a loader
+#: its user sharded): it still takes part in the comparison, so that ranks that differ are told.
+NOT_DEALT = -1
 
 #: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
 _HEAD_ITEMS = 64
@@ -151,9 +157,13 @@ def report_failure(error: BaseException, group: Optional[Any] = None) -> None:
 
     Without it the others would wait in the collective until the process group's timeout and then fail with
     an error that does not name the cause; with it they raise at once, naming this rank and ``error``. The
-    caller raises ``error`` itself afterwards. Does nothing when no process group is initialised.
+    caller raises ``error`` itself afterwards, so this never raises: should the collective fail (a peer that
+    died), ``error`` is still what the caller reports. Does nothing when no process group is initialised.
     """
-    _gather(_Failure(f"{type(error).__name__}: {error_message(error)}"), group)
+    try:
+        _gather(_Failure(f"{type(error).__name__}: {error_message(error)}"), group)
+    except Exception:  # noqa: BLE001 - the caller's own error is the one to raise
+        pass
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,11 @@ def _divergence_error(
     assert known is not None
     if reference is None or other is None:
         what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
+    elif NOT_DEALT in (reference.declared_length, other.declared_length):
+        what = (
+            f"it is dealt among the ranks on one of rank 0 and rank {rank} only (the other's loader is an"
+            " IterableDataset, not a DataLoader, or already sharded), so they would step different numbers of times"
+        )
     elif other.declared_length != reference.declared_length:
         what = f"len() is {reference.declared_length} on rank 0 but {other.declared_length} on rank {rank}"
     else:

@@ -93,9 +93,15 @@ def _fork_deadlock_warning(loader: DataLoader, version: Tuple[int, int, int] = _
 
 def is_sharded(loader: DataLoader) -> bool:
     """Whether the loader already gives each rank its own share (a distributed sampler or one of ours), also
-    when the distributed sampler sits inside the batch sampler."""
+    when the distributed sampler sits inside the batch sampler, or inside a batch sampler given as ``sampler=``
+    (``batch_size=None``)."""
     sharded = (DistributedSampler, DistributedSamplerWrapper, DistributedBatchSamplerWrapper)
-    candidates = (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    candidates = (
+        loader.sampler,
+        loader.batch_sampler,
+        getattr(loader.batch_sampler, "sampler", None),
+        getattr(loader.sampler, "sampler", None),
+    )
     return any(isinstance(candidate, sharded) for candidate in candidates)
 
 

@@ -29,7 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat
-from lightning_ddp_ext.consistency import SequenceDigest, report_failure, verify_same_sequence
+from lightning_ddp_ext.consistency import NOT_DEALT, SequenceDigest, report_failure, verify_same_sequence
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp, uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
@@ -540,27 +540,28 @@ class CustomDDP(DDPStrategy):
         stage = trainer.state.stage
         if stage == RunningStage.PREDICTING:
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
-        if not isinstance(dataloader, DataLoader):
-            self._warn_unsharded(dataloader, stage)
-            return dataloader
         training = stage == RunningStage.TRAINING
         try:
             patched, empty = self._patch(dataloader, training)
-            checked = self.check_sampler_consistency and (patched is not dataloader or empty)
-            dealt = _dealt_source(patched) if checked else None
+            if patched is not None:
+                source, length = _dealt_source(patched)
+            else:
+                source, length = type(getattr(dataloader, "dataset", dataloader)).__name__, NOT_DEALT
         except Exception as error:
             if self.check_sampler_consistency:  # the other ranks are about to wait for this one in the length check
                 report_failure(error)
             raise
-        if patched is dataloader and not empty:  # an IterableDataset, or a loader the user sharded already
-            return patched
+        if self.check_sampler_consistency:
+            # Every rank must deal the same number of items, or the ranks step different numbers of times. Every
+            # loader takes part, dealt or not, so that no rank is left waiting for one that deals no loader here.
+            verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
+        if not isinstance(dataloader, DataLoader):
+            self._warn_unsharded(dataloader, stage)
+        if patched is None:
+            return dataloader
         wrapper = _wrapper_of(patched)
         if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
-        if dealt is not None:
-            # Every rank must deal the same number of items, or the ranks step different numbers of times.
-            source, length = dealt
-            verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
         if empty:
             return patched
         if wrapper is not None and not training and not wrapper.even_shares:
@@ -569,8 +570,11 @@ class CustomDDP(DDPStrategy):
             self._prepare_first_epoch(patched, trainer)
         return patched
 
-    def _patch(self, dataloader: DataLoader, training: bool) -> tuple[DataLoader, bool]:
-        """``dataloader`` dealt for this rank (itself when there is nothing to deal), and whether it is empty."""
+    def _patch(self, dataloader: object, training: bool) -> tuple[Optional[DataLoader], bool]:
+        """``dataloader`` dealt for this rank, and whether it is empty (then it is ``dataloader`` itself); None for
+        a loader that is not dealt: not a DataLoader, an IterableDataset, or a loader its user sharded."""
+        if not isinstance(dataloader, DataLoader):
+            return None, False
         options = self.sharding_options(training)
         default = uses_default_sampler(dataloader)
         # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
@@ -580,11 +584,14 @@ class CustomDDP(DDPStrategy):
             # A DistributedSampler, shuffled when the loader was (stock Lightning shuffles every training loader;
             # we keep the user's choice): the batch shuffle and its window are for custom samplers.
             options.update(shuffle=None, shuffle_window=None)
-        patched = dataloader if empty else patch_dataloader_to_ddp(dataloader, **options)
-        if patched is not dataloader and type(dataloader) is not DataLoader:
-            # a subclass: keep its class (its __iter__, its arguments)
+        if empty:
+            return dataloader, True
+        patched = patch_dataloader_to_ddp(dataloader, **options)
+        if patched is dataloader:
+            return None, False
+        if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
             patched = _compat.rebuild_dataloader(dataloader, patched)
-        return patched, empty
+        return patched, False
 
     def _refuse_rank_without_batches(self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage]) -> None:
         """Raise, on every rank alike, when an exact deal leaves some rank with no evaluation batch.

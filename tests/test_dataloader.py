@@ -186,6 +186,13 @@ def test_a_batch_sampler_given_as_sampler_without_automatic_batching_is_dealt_wh
     assert isinstance(patch_dataloader_to_ddp(loader, 2, 0).sampler, DistributedBatchSamplerWrapper)
 
 
+def test_a_batch_sampler_given_as_sampler_over_a_distributed_sampler_is_left_as_it_is() -> None:
+    """The user sharded it already: dealing its batches again would drop half of each rank's share."""
+    sharded = BatchSampler(DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=False), 2, False)
+    loader = DataLoader(BatchFetching(), sampler=sharded, batch_size=None)
+    assert patch_dataloader_to_ddp(loader, 2, 0) is loader
+
+
 def test_unchanged_with_warning_when_nothing_to_shard() -> None:
     class Stream(IterableDataset):
         def __iter__(self) -> Iterator[int]:
@@ -468,8 +475,8 @@ def test_empty_dataset_under_a_default_sampler_is_refused_whatever_pad(options: 
     [
         ({"shuffle": "no"}, "shuffle must be True or False, got 'no'"),
         ({"pad": "no"}, "pad must be True or False, got 'no'"),
-        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**63 - 1], got 1.5"),
-        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
+        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**64 - 1], got 1.5"),
+        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
         ({"shuffle_window": 0}, "shuffle_window must be None or an integer >= 1, got 0"),
     ],
 )

@@ -351,6 +351,12 @@ RANK_ERRORS = {
         "rank 1 failed before it could compare its samplers with the other ranks (ValueError: list is empty",
         "list is empty (len() == 0): there is nothing to deal out among 2 ranks",
     ],
+    # the same for a rank 0 that deals no loader at all (its loader is an IterableDataset): it still takes part
+    "stream-on-rank-0-empty-sampler-on-rank-1": [
+        "rank 1 failed before it could compare its samplers with the other ranks (ValueError: list is empty",
+        "list is empty (len() == 0): there is nothing to deal out among 2 ranks",
+    ],
+    "stream-on-rank-0": ["it is dealt among the ranks on one of rank 0 and rank 1 only"] * WORLD,
     "unseeded": ["PKBatches does not produce the same sequence on every rank"] * WORLD,
     "length-by-rank": ["PKBatches does not produce the same sequence on every rank: len() is 8 on rank 0 but 9"] * WORLD,
 }

@@ -379,14 +379,14 @@ def test_bad_shuffle_window_is_refused(window: Any) -> None:
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**63 - 1], got 1.5"),
-        ({"seed": None}, "seed must be an integer in [-2**63, 2**63 - 1], got None"),
+        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**64 - 1], got 1.5"),
+        ({"seed": None}, "seed must be an integer in [-2**63, 2**64 - 1], got None"),
         ({"pad": "no"}, "pad must be True or False, got 'no'"),
         ({"shuffle": 1}, "shuffle must be True or False, got 1"),
         ({"even_shares": "no"}, "even_shares must be True or False, got 'no'"),
         ({"even_shares": None}, "even_shares must be True or False, got None"),
-        ({"seed": 2**63}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
-        ({"seed": -(2**63) - 1}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
+        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
+        ({"seed": -(2**63) - 1}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
     ],
 )
 def test_options_of_the_wrong_type_are_refused_at_construction(options: Dict[str, Any], message: str) -> None:

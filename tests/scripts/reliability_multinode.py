@@ -11,13 +11,22 @@ A ``--fault`` gives the ranks loaders that must fail, on every rank, before trai
 ranks here, so each rank's own error shows what it saw (see FAULTS).
 """
 import argparse
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterator, Tuple
 
 import lightning.pytorch as pl
+import torch
 from reliability_common import (
     DataLoader, IndexDataset, PKBatches, WeightRecorder, env_rank, labels_for, pk_loader, run_guarded, strategy,
     trainer_kwargs,
 )
+from torch.utils.data import IterableDataset
+
+class Stream(IterableDataset):
+    """An iterable dataset: CustomDDP does not deal it (it must shard itself)."""
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, int]]:
+        return ((torch.tensor([float(i)]), i) for i in range(8))
+
 
 #: Fault name -> the train loader of a rank (given its rank).
 FAULTS: Dict[str, Callable[[int], DataLoader]] = {
@@ -25,6 +34,12 @@ FAULTS: Dict[str, Callable[[int], DataLoader]] = {
     "empty-sampler-on-rank-1": lambda rank: (
         DataLoader(IndexDataset(8), batch_sampler=[]) if rank == 1 else pk_loader(size=64)
     ),
+    # rank 0 deals nothing, rank 1 fails while dealing: rank 0 must not wait for rank 1 in a check it skips
+    "stream-on-rank-0-empty-sampler-on-rank-1": lambda rank: (
+        DataLoader(IndexDataset(8), batch_sampler=[]) if rank == 1 else DataLoader(Stream())
+    ),
+    # rank 0 deals nothing, rank 1 deals its loader: they would step different numbers of times
+    "stream-on-rank-0": lambda rank: pk_loader(size=64) if rank == 1 else DataLoader(Stream()),
     # every rank draws its own sequence
     "unseeded": lambda rank: DataLoader(IndexDataset(64), batch_sampler=PKBatches(labels_for(64), 2, 4, seed=None)),
     # 8 batches on rank 0, 9 on rank 1
