@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CustomDDPSharded",
     "balanced_partition",
+    "clip_grad_norm_of_shards",
     "fairscale_available",
     "rank_synchronised_scaler",
     "require_every_rank",
@@ -143,7 +145,7 @@ def _balanced_oss_class() -> type:
     oss_class, _ = _fairscale()
 
     class BalancedOSS(oss_class):  # type: ignore[misc, valid-type]
-        """OSS whose partition takes the largest parameters first; everything else is fairscale's.
+        """OSS whose partition takes the largest parameters first, and which follows replaced parameter groups.
 
         The parameter groups keep the user's parameter order, so ``state_dict()`` (consolidated) indexes
         parameters exactly as the unsharded optimizer does and checkpoints stay interchangeable with CustomDDP.
@@ -153,10 +155,20 @@ def _balanced_oss_class() -> type:
         shard optimizer, so it relies on the old assignments staying put, as its in-order partition does.
         Re-sorting all parameters would move some: the shard optimizer would no longer step them (and their
         state would stay behind), while the rank that now owns them broadcasts them unchanged.
+
+        ``param_groups`` may also be replaced outside ``add_param_group``: on resume, ``BaseFinetuning``
+        assigns ``optimizer.param_groups`` with the groups it had added. fairscale's OSS keeps its old
+        partition then: loading Adam's state raised ``KeyError: Parameter containing ...``, and SGD never
+        stepped the restored groups. Every entry point (``step``, ``load_state_dict``, ``state_dict``,
+        ``consolidate_state_dict``, ``add_param_group``, ``refresh_trainable``, ``clip_grad_norm``) first
+        compares the groups with those partitioned and, where they differ, partitions again (keeping the
+        owners of parameters already assigned) and rebuilds the shard optimizer's groups and the flat buffers.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._owners: Dict[torch.Tensor, int] = {}  # every partitioned parameter -> its rank
+            # The groups' parameters when the partition was last computed (held, so that their ids stay theirs).
+            self._partitioned: List[List[torch.Tensor]] = []
             super().__init__(*args, **kwargs)
 
         @override
@@ -166,7 +178,65 @@ def _balanced_oss_class() -> type:
                 partition = balanced_partition(self.param_groups, self.world_size, keep=self._owners)
                 self._owners = {p: rank for rank, groups in enumerate(partition) for g in groups for p in g["params"]}
                 self._partition_parameters = partition
+                self._partitioned = [list(group["params"]) for group in self.param_groups]
             return self._partition_parameters
+
+        def _sync_partition(self) -> None:
+            """Partition again if ``param_groups`` no longer hold the parameters partitioned (see the class)."""
+            if self.in_super_constructor or not hasattr(self, "optim"):  # still being built
+                return
+            current = [[id(p) for p in group["params"]] for group in self.param_groups]
+            if current == [[id(p) for p in params] for params in self._partitioned]:
+                return
+            self._clear_cache()
+            local = self.partition_parameters()[self.rank]  # parameters partitioned before keep their rank
+            owned = {p for group in local for p in group["params"]}
+            for param in [p for p in self.optim.state if p not in owned]:  # parameters no longer in any group
+                del self.optim.state[param]
+            # One shard group per group, in order: OSS pairs them by position. State is keyed by parameter.
+            self.optim.param_groups = []
+            for group in local:
+                self.optim.add_param_group(group)
+            self._sync_param_groups(self.param_groups, self.optim.param_groups)  # OSS's staticmethod
+            self.buckets.clear()  # the flat broadcast buffers, rebuilt over the new partition
+            self._setup_flat_buffers()
+
+        @override
+        def step(self, closure: Any = None, **kwargs: Any) -> Any:
+            self._sync_partition()
+            return super().step(closure, **kwargs)
+
+        @override
+        def add_param_group(self, param_group: Dict[str, Any]) -> None:
+            self._sync_partition()
+            super().add_param_group(param_group)
+
+        @override
+        def refresh_trainable(self) -> None:
+            self._sync_partition()
+            super().refresh_trainable()
+
+        @override
+        def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+            self._sync_partition()
+            super().consolidate_state_dict(recipient_rank)
+
+        @override
+        def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
+            self._sync_partition()
+            return cast(Dict[str, Any], super().state_dict(all_ranks))
+
+        @override
+        def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+            self._sync_partition()
+            super().load_state_dict(state_dict)
+
+        @override
+        def clip_grad_norm(
+            self, max_norm: float, norm_type: float = 2.0, filter_params_fn: Optional[Any] = None
+        ) -> torch.Tensor:
+            """:func:`clip_grad_norm_of_shards`: fairscale's misses parameters without a gradient at its first call."""
+            return clip_grad_norm_of_shards(self, max_norm, norm_type, filter_params_fn)
 
     BalancedOSS.__module__, BalancedOSS.__qualname__ = __name__, "BalancedOSS"
     return BalancedOSS
@@ -265,28 +335,101 @@ def _reduce_added_parameters(wrapper: Module) -> None:
     """Make ShardedDataParallel reduce the gradients of parameters added to its optimizers after wrapping.
 
     SDP lists the parameters it reduces once, from its optimizers, when it is built (``_all_params``). A group
-    added later (``add_param_group``, as Lightning's ``BaseFinetuning`` does) kept each rank's own gradient:
-    its owner stepped on its local batch only. This re-lists them and rebuilds SDP's hooks (fairscale's
-    private attributes, checked on fairscale 0.4.13); it costs one count per step when nothing was added.
+    added later (``add_param_group``, as Lightning's ``BaseFinetuning`` does, or restored on resume by assigning
+    ``param_groups``) kept each rank's own gradient: its owner stepped on its local batch only. This brings the
+    partitions of :class:`BalancedOSS` optimizers up to date, then re-lists the parameters and rebuilds SDP's
+    hooks if they changed (fairscale's private attributes, checked on fairscale 0.4.13); it costs one pass over
+    the parameters per step when nothing changed.
     """
     _, sharded_data_parallel = _fairscale()
     if not isinstance(wrapper, sharded_data_parallel):  # configure_ddp was overridden to return another wrapper
         return
     sdp: Any = wrapper
     optimizers: List["OSS"] = sdp._sharded_optimizers
-    if sum(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups) == len(
-        sdp._all_params
-    ):
-        return
-    sdp._all_params = [
+    for optimizer in optimizers:
+        sync_partition = getattr(optimizer, "_sync_partition", None)
+        if callable(sync_partition):
+            sync_partition()
+    listed = [
         param
         for optimizer in optimizers
         for per_rank in optimizer._per_device_params.values()
         for params in per_rank
         for param in params
     ]
-    sdp._reference_trainable_mask = [param.requires_grad for param in sdp._all_params]
+    if [id(param) for param in listed] == [id(param) for param in sdp._all_params]:
+        return
+    sdp._all_params = listed
+    sdp._reference_trainable_mask = [param.requires_grad for param in listed]
     sdp.refresh_trainable()
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_data_parallel_class() -> type:
+    """fairscale's ShardedDataParallel, reducing at every backward pass; built on first use (fairscale is optional)."""
+    _, sharded_data_parallel = _fairscale()
+
+    # fairscale's class name, kept: code that checks `type(trainer.model).__name__` goes on working.
+    class ShardedDataParallel(sharded_data_parallel):  # type: ignore[misc, valid-type]
+        """ShardedDataParallel that reduces the gradients of every backward pass, as DistributedDataParallel does.
+
+        SDP arms its reduction (``_clear_counters``) in ``forward`` only. A second backward pass after one forward
+        (manual optimization with two optimizers, GAN style) reduced only the parameters the first had not, and
+        queued no wait for those reductions: the second optimizer stepped on unreduced gradients, without an
+        error. Here SDP's end-of-backward callback (``_flush_reduce_calls``, which waits for the reductions)
+        marks the backward pass done, and the first gradient of the next backward pass arms the reduction again.
+
+        A gradient that accumulates onto a reduced one (two backward passes without ``zero_grad`` between them)
+        must become ``reduced + mean(new)``. Its owner holds the reduced gradient and the other ranks none, so
+        the owner's is multiplied by the world size just before the new gradient is added: the reduction, a sum
+        divided by the world size, then gives that. fairscale's private attributes, checked on fairscale 0.4.13.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._group_size = dist.get_world_size(self._process_group)
+            self._backward_done = False  # set at the end of a backward pass that reduced gradients
+            self._holding_reduced: set = set()  # parameters whose gradient here is the reduced one
+            self._accumulation_hooks: List[Any] = []
+
+        @override
+        def _setup_backward_hooks(self) -> None:
+            super()._setup_backward_hooks()
+            while self._accumulation_hooks:
+                self._accumulation_hooks.pop().remove()
+            if not self.training:  # as SDP: no hooks in eval mode
+                return
+            for param in self._trainable_params:
+                view = param.expand_as(param)
+                if view.grad_fn is not None:  # the node SDP hooks (and keeps alive), before it accumulates
+                    accumulator = view.grad_fn.next_functions[0][0]
+                    self._accumulation_hooks.append(accumulator.register_prehook(self._before_accumulating(param)))
+
+        def _before_accumulating(self, param: torch.Tensor) -> Any:
+            @torch.no_grad()
+            def hook(grad_outputs: Any) -> None:
+                if self._backward_done:  # the first gradient of a new backward pass: reduce again
+                    self._backward_done = False
+                    self._grad_to_be_reduced = [True for _ in self._trainable_params]
+                    self._bucket_flush_callback_set = False
+                if param in self._holding_reduced:
+                    self._holding_reduced.discard(param)
+                    if param.grad is not None:
+                        param.grad.mul_(self._group_size)
+
+            return hook
+
+        @override
+        def _flush_reduce_calls(self) -> None:
+            super()._flush_reduce_calls()  # waits for every reduction of this backward pass
+            for index, param in enumerate(self._trainable_params):
+                # the rank whose gradient SDP keeps after the reduction (its `cleanup`)
+                if not self._grad_to_be_reduced[index] and self._trainable_param_to_rank[param] == self._global_rank:
+                    self._holding_reduced.add(param)
+            self._backward_done = True
+
+    ShardedDataParallel.__module__, ShardedDataParallel.__qualname__ = __name__, "ShardedDataParallel"
+    return ShardedDataParallel
 
 
 # ---------------------------------------------------------------------------------------------- precision
@@ -333,13 +476,65 @@ def rank_synchronised_scaler(
     return ShardedGradScaler(device=device, process_group=group if group is not None else dist.group.WORLD, **settings)
 
 
+def clip_grad_norm_of_shards(
+    optimizer: "OSS", max_norm: float, norm_type: float = 2.0, filter_params_fn: Optional[Any] = None
+) -> torch.Tensor:
+    """Clip the gradients of a sharded optimizer by their norm over all ranks; return that norm.
+
+    Under ShardedDataParallel each rank holds the gradients of the parameters it owns only. Each rank takes
+    the norm of those (the parameters with a gradient now, in the optimizer's current partition), the
+    ``norm_type``-th powers are summed (the maxima taken, for ``inf``) over the optimizer's process group, and
+    every rank scales its gradients by ``max_norm / (norm + 1e-6)`` where that is below 1: the result is
+    ``torch.nn.utils.clip_grad_norm_`` on one process, up to float rounding. fairscale's
+    ``OSS.clip_grad_norm`` keeps the parameters that had a gradient at its first call (a parameter unfrozen
+    or first used later never counts) and sums over the whole world, not the optimizer's group.
+
+    Call it on every rank of the optimizer's group (it is a collective).
+
+    Args:
+        optimizer: a fairscale OSS.
+        max_norm: the largest norm the gradients keep.
+        norm_type: the p of the p-norm, ``float("inf")`` for the largest absolute value.
+        filter_params_fn: as fairscale's: maps this rank's parameters to those that count in the norm.
+
+    Raises:
+        ValueError: ``norm_type`` is not positive.
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}.")
+    sync_partition = getattr(optimizer, "_sync_partition", None)
+    if callable(sync_partition):
+        sync_partition()
+    owned = [
+        p for group in optimizer.partition_parameters()[optimizer.rank] for p in group["params"] if p.grad is not None
+    ]
+    counted = list(filter_params_fn(owned)) if filter_params_fn is not None else owned
+    device = owned[0].grad.device if owned else optimizer._default_device
+    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in owned) else torch.float32
+    norms = [torch.linalg.vector_norm(p.grad.detach(), norm_type, dtype=dtype).to(device) for p in counted]
+    if norm_type == math.inf:
+        local = torch.stack(norms).max() if norms else torch.zeros((), dtype=dtype, device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=optimizer.group)
+        total = local
+    else:
+        local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), dtype=dtype, device=device)
+        dist.all_reduce(local, group=optimizer.group)
+        total = local.pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in owned:
+        grad = cast(torch.Tensor, param.grad)
+        grad.detach().mul_(coefficient.to(device=grad.device, dtype=grad.dtype))
+    return total
+
+
 def _clip_through_oss(plugin: Precision) -> None:
-    """Make ``plugin.clip_grad_by_norm`` clip OSS optimizers with ``OSS.clip_grad_norm`` (idempotent).
+    """Make ``plugin.clip_grad_by_norm`` clip OSS optimizers with :func:`clip_grad_norm_of_shards` (idempotent).
 
     Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters; under
     ShardedDataParallel each rank holds the gradients of its own shard only, so that norm is the shard's
-    (2.12 / 1.53 instead of 2.61) and ranks scale differently. ``OSS.clip_grad_norm`` all-reduces the norm.
-    An instance attribute shadows the method, so this works for every precision plugin class.
+    (2.12 / 1.53 instead of 2.61) and ranks scale differently. An instance attribute shadows the method, so
+    this works for every precision plugin class.
     """
     if "clip_grad_by_norm" in vars(plugin):
         return
@@ -349,7 +544,7 @@ def _clip_through_oss(plugin: Precision) -> None:
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if isinstance(raw, oss_class):
-            cast("OSS", raw).clip_grad_norm(clip_val)
+            clip_grad_norm_of_shards(cast("OSS", raw), clip_val)
         else:
             clip_unsharded(optimizer, clip_val)
 
@@ -361,8 +556,10 @@ def require_every_rank(group: Any, timeout: timedelta) -> None:
     """Return once every rank of the Gloo ``group`` has called this; raise a RuntimeError after ``timeout``.
 
     Consolidating the sharded optimizer state is a collective, so a checkpoint saved on some ranks only
-    would hang. ``monitored_barrier`` turns that into an error naming the missing ranks. After a timeout
-    ``group`` is unusable (and the run is over anyway), so give it a group of its own.
+    would hang. ``monitored_barrier`` turns that into an error naming the missing ranks. Only rank 0 waits
+    ``timeout`` there: the other ranks wait for rank 0's answer as long as ``group``'s own timeout allows,
+    so make ``group`` with the same timeout (:func:`_renew_save_group` does) for every calling rank to raise.
+    After a timeout ``group`` is unusable (and the run is over anyway), so give it a group of its own.
     """
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
@@ -378,16 +575,17 @@ def require_every_rank(group: Any, timeout: timedelta) -> None:
 _save_guard: Dict[str, Any] = {}
 
 
-def _renew_save_group() -> Any:
+def _renew_save_group(timeout: timedelta) -> Any:
     """A new Gloo group over the whole world for :func:`require_every_rank`; the previous one is destroyed.
 
     Each strategy setup (every fit, validate, test) calls this on every rank, so a group left unusable by a
     timed-out guard is not used again, and one such group exists per process, whichever Trainer made it. It
-    is not destroyed at teardown: ``trainer.save_checkpoint`` after ``fit`` is guarded too.
+    is not destroyed at teardown: ``trainer.save_checkpoint`` after ``fit`` is guarded too. Its ``timeout``
+    bounds how long ranks other than 0 wait in the guard (without it, the default process-group timeout).
     """
     if _save_guard.get("world") is dist.group.WORLD:  # else it went with its default group
         dist.destroy_process_group(_save_guard["group"])
-    _save_guard.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+    _save_guard.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=timeout))
     return _save_guard["group"]
 
 
@@ -411,27 +609,31 @@ class CustomDDPSharded(CustomDDP):
     - optimizers from ``configure_optimizers`` are rebuilt as :class:`fairscale.optim.OSS` of the same class,
       parameter groups and defaults (LR schedulers follow, those nested in SequentialLR and ChainedScheduler
       too), partitioned largest-first for balanced shards; an OSS you build yourself is used as it is;
-    - groups added with ``add_param_group`` (Lightning's ``BaseFinetuning``) leave earlier parameters on their
-      rank, and SDP reduces the new parameters' gradients from the next training step;
+    - groups added with ``add_param_group`` (Lightning's ``BaseFinetuning``), or restored on resume by
+      assigning ``param_groups`` (``BaseFinetuning`` again), leave earlier parameters on their rank, the shard
+      optimizers step the new ones, and SDP reduces their gradients from the next training step;
     - the model is wrapped in ``ShardedDataParallel`` by :meth:`configure_ddp` after the optimizers exist
-      (SDP needs them; Lightning 2.x builds optimizers after wrapping);
+      (SDP needs them; Lightning 2.x builds optimizers after wrapping), in a subclass that reduces the
+      gradients of every backward pass: SDP itself reduces only the first after each forward, so with manual
+      optimization and two backward passes per step the second optimizer stepped on unreduced gradients;
     - every training step runs with the wrapper in train mode, and validation steps bypass the wrapper;
     - gradient accumulation skips synchronisation with SDP's ``no_sync()`` (inherited from CustomDDP);
     - reduce buckets are off (``reduce_buffer_size=0``): Lightning zeroes gradients with ``set_to_none``, which
       detaches them from SDP's buckets and corrupts gradients from the second step; buckets also keep
       unsharded gradient buffers on every rank;
-    - norm clipping goes through ``OSS.clip_grad_norm`` in every precision, and ``"16-mixed"`` uses torch's
-      ``ShardedGradScaler`` (found-inf agreed across ranks);
+    - norm clipping goes through ``clip_grad_norm_of_shards`` in every precision (the norm over all ranks'
+      shards), and ``"16-mixed"`` uses torch's ``ShardedGradScaler`` (found-inf agreed across ranks);
     - checkpoints hold the optimizer state consolidated on rank 0, in the plain optimizer's format, so they
-      load into CustomDDP and back.
+      load into CustomDDP and back; rank 0 drops its consolidated copy once the checkpoint has it.
 
     Saving a checkpoint gathers every rank's shard: ``trainer.save_checkpoint`` must run on every rank (it
     writes from rank 0 only), as ModelCheckpoint does. Called on some ranks only (e.g. under
-    ``if trainer.is_global_zero:``), the gather would hang; instead the saving ranks raise a RuntimeError
-    after ``save_timeout``.
+    ``if trainer.is_global_zero:``), the gather would hang; instead every rank that is saving raises a
+    RuntimeError after ``save_timeout`` (rank 0 naming the missing ranks).
 
     Args:
-        save_timeout: how long a rank saving a checkpoint waits for the others before raising.
+        save_timeout: how long a rank saving a checkpoint waits for the others before raising (it is also the
+            timeout of the Gloo group the strategy makes for this check).
         **kwargs: everything :class:`~lightning_ddp_ext.CustomDDP` accepts, and ShardedDataParallel's
             ``broadcast_buffers``, ``sync_models_at_startup``, ``auto_refresh_trainable``, ``reduce_fp16`` and
             ``warn_on_trainable_params_changed``. torch DDP options (``find_unused_parameters``,
@@ -485,7 +687,7 @@ class CustomDDPSharded(CustomDDP):
         super().setup_distributed()
         # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
         # leaves its group unusable, which must not be the group training runs on.
-        _renew_save_group()
+        _renew_save_group(self.save_timeout)
 
     # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
     @override
@@ -525,15 +727,19 @@ class CustomDDPSharded(CustomDDP):
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` in ShardedDataParallel over this strategy's OSS optimizers.
 
-        ``device_ids`` is unused: SDP works on the device the model is on. Override to change the wrapper's
-        options; ``self.optimizers`` are the OSS optimizers at this point.
+        The wrapper is a subclass of fairscale's that reduces the gradients of every backward pass, also of
+        several after one forward (fairscale's reduces only the first). ``device_ids`` is unused: SDP works on
+        the device the model is on. Override to change the wrapper's options; ``self.optimizers`` are the OSS
+        optimizers at this point. A plain ``ShardedDataParallel`` returned from an override trains correctly
+        only with one backward pass per training step.
         """
-        oss_class, sharded_data_parallel = _fairscale()
+        oss_class, _ = _fairscale()
         optimizers = [optimizer for optimizer in self.optimizers if isinstance(optimizer, oss_class)]
         if not optimizers:
             raise RuntimeError(f"{type(self).__name__}.configure_ddp needs the OSS optimizers, but there are none.")
         kwargs = {"reduce_buffer_size": 0, **self.ddp_kwargs}
-        return sharded_data_parallel(model, optimizers, process_group=self.data_parallel_group, **kwargs)
+        wrapper = _sharded_data_parallel_class()
+        return cast(Module, wrapper(model, optimizers, process_group=self.data_parallel_group, **kwargs))
 
     # ------------------------------------------------------------------ steps
     @override
@@ -565,11 +771,18 @@ class CustomDDPSharded(CustomDDP):
         """The optimizer's full state on rank 0 (``{}`` elsewhere), gathered from every rank's shard.
 
         Lightning's own ``optimizer_state`` consolidates optimizers that have ``consolidate_state_dict``; this
-        first checks that every rank is saving, so a save on rank 0 alone raises instead of hanging.
+        first checks that every rank is saving, so a save on rank 0 alone raises instead of hanging. OSS keeps
+        the consolidated state (the whole optimizer's, on rank 0) after returning it; it is dropped here, so
+        that rank 0 holds it only until the checkpoint is written.
         """
         oss_class, _ = _fairscale()
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not isinstance(raw, oss_class):
+            return super().optimizer_state(optimizer)
         save_group = _current_save_group()
-        if isinstance(raw, oss_class) and save_group is not None:
+        if save_group is not None:
             require_every_rank(save_group, self.save_timeout)
-        return super().optimizer_state(optimizer)
+        try:
+            return super().optimizer_state(optimizer)
+        finally:
+            cast(Any, raw)._all_states = []
