@@ -17,12 +17,14 @@ from lightning_ddp_ext import _store
 from lightning_ddp_ext._pickling import error_message
 
 __all__ = [
-    "SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence", "report_failure", "NOT_DEALT"
+    "SequenceDigest", "RunningDigest", "sampled_positions", "verify_same_sequence", "report_failure", "NOT_DEALT",
+    "NOT_DEALT_SOURCE",
 ]
 
-#: ``declared_length`` of the digest a rank sends for a loader it does not deal (an IterableDataset, a loader
-#: its user sharded): it still takes part in the comparison, so that ranks that differ are told.
+#: ``declared_length`` and ``sampler`` of the digest a rank sends for a loader it does not deal (an IterableDataset,
+#: a loader its user sharded): it still takes part in the comparison, so that ranks that differ are told.
 NOT_DEALT = -1
+NOT_DEALT_SOURCE = "nothing (a loader that is not dealt: an IterableDataset, not a DataLoader, or sharded already)"
 
 #: Items hashed in full at the start of every epoch; after that, one item in every ``_STRIDE``.
 _HEAD_ITEMS = 64
@@ -187,13 +189,16 @@ def _divergence_error(
 ) -> RuntimeError:
     known = reference or other
     assert known is not None
+    if reference is not None and other is not None:
+        kinds = [NOT_DEALT_SOURCE if d.declared_length == NOT_DEALT else d.sampler for d in (reference, other)]
+        if kinds[0] != kinds[1]:
+            return RuntimeError(
+                f"the ranks' loaders differ: rank 0 deals {kinds[0]} but rank {rank} deals {kinds[1]}, so they would"
+                " step different numbers of times or on overlapping data. Give every rank the same kind of loader,"
+                " with the same kind of sampler, in the same order."
+            )
     if reference is None or other is None:
         what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
-    elif NOT_DEALT in (reference.declared_length, other.declared_length):
-        what = (
-            f"it is dealt among the ranks on one of rank 0 and rank {rank} only (the other's loader is an"
-            " IterableDataset, not a DataLoader, or already sharded), so they would step different numbers of times"
-        )
     elif other.declared_length != reference.declared_length:
         what = f"len() is {reference.declared_length} on rank 0 but {other.declared_length} on rank {rank}"
     else:

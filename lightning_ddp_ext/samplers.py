@@ -60,9 +60,9 @@ _PLAN_GROWTH = 8
 _PYTHON_PLAN_POSITIONS = 256
 # Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
 _MAX_WINDOW = 1 << 31
-# The seeds torch.Generator.manual_seed takes (it seeds with seed + epoch, so the top of the range overflows after
-# a few epochs: that is torch's error then).
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Seeds: 64-bit signed, so that seed + epoch, which seeds torch's generators here and in DistributedSampler, never
+# overflows what torch.Generator.manual_seed takes (up to 2**64 - 1).
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class LengthMismatchError(RuntimeError):
@@ -113,8 +113,8 @@ def _check_seed(seed: Any, owner: str) -> int:
     checked = _integer_or_none(seed)
     if checked is None or not _SEED_MIN <= checked <= _SEED_MAX:
         raise ValueError(
-            f"{owner}: seed must be an integer in [-2**63, 2**64 - 1], got {seed!r} (torch.Generator.manual_seed"
-            " takes no other)."
+            f"{owner}: seed must be an integer in [-2**63, 2**63 - 1], got {seed!r} (torch seeds a generator with"
+            " seed + epoch, which must stay below 2**64)."
         )
     return checked
 
@@ -859,7 +859,7 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         num_replicas: number of ranks W; defaults to the world size of the default process group.
         rank: this rank; defaults to the rank in the default process group.
         shuffle: permute the batch order before dealing, seeded by ``seed + epoch`` (same on every rank).
-        seed: base seed of that permutation, an integer in ``[-2**63, 2**64 - 1]``.
+        seed: base seed of that permutation, an integer in ``[-2**63, 2**63 - 1]``.
         pad: True repeats batches from the start of the epoch's sequence so every rank gets
             ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each). When
             shuffling, the ``len % W`` batches dropped are drawn by the shuffle, anew each epoch: from the whole

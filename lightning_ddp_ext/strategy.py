@@ -29,7 +29,13 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat
-from lightning_ddp_ext.consistency import NOT_DEALT, SequenceDigest, report_failure, verify_same_sequence
+from lightning_ddp_ext.consistency import (
+    NOT_DEALT,
+    NOT_DEALT_SOURCE,
+    SequenceDigest,
+    report_failure,
+    verify_same_sequence,
+)
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp, uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
@@ -546,7 +552,7 @@ class CustomDDP(DDPStrategy):
             if patched is not None:
                 source, length = _dealt_source(patched)
             else:
-                source, length = type(getattr(dataloader, "dataset", dataloader)).__name__, NOT_DEALT
+                source, length = NOT_DEALT_SOURCE, NOT_DEALT  # whatever its class: it only says "not dealt"
         except Exception as error:
             if self.check_sampler_consistency:  # the other ranks are about to wait for this one in the length check
                 report_failure(error)

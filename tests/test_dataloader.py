@@ -475,8 +475,8 @@ def test_empty_dataset_under_a_default_sampler_is_refused_whatever_pad(options: 
     [
         ({"shuffle": "no"}, "shuffle must be True or False, got 'no'"),
         ({"pad": "no"}, "pad must be True or False, got 'no'"),
-        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**64 - 1], got 1.5"),
-        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
+        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**63 - 1], got 1.5"),
+        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
         ({"shuffle_window": 0}, "shuffle_window must be None or an integer >= 1, got 0"),
     ],
 )

@@ -342,7 +342,7 @@ def test_two_nodes_on_one_machine_partition_the_data(how: str, environment: str,
     assert_same_weights(load_weights(tmp_path, 0), load_weights(tmp_path, 1))  # one model across the nodes
 
 
-#: Fault of reliability_multinode.py -> what each rank's own error must say.
+#: Loader case of reliability_multinode.py -> what each rank's own error must say.
 RANK_ERRORS = {
     # rank 1 fails while its loader is dealt; rank 0, already in the cross-rank length check, must raise at once
     # naming it: not a gloo error about a lost peer (rank 1's process ended), nor a timeout (it lives on, in a
@@ -356,7 +356,7 @@ RANK_ERRORS = {
         "rank 1 failed before it could compare its samplers with the other ranks (ValueError: list is empty",
         "list is empty (len() == 0): there is nothing to deal out among 2 ranks",
     ],
-    "stream-on-rank-0": ["it is dealt among the ranks on one of rank 0 and rank 1 only"] * WORLD,
+    "stream-on-rank-0": ["the ranks' loaders differ: rank 0 deals nothing (a loader that is not dealt"] * WORLD,
     "unseeded": ["PKBatches does not produce the same sequence on every rank"] * WORLD,
     "length-by-rank": ["PKBatches does not produce the same sequence on every rank: len() is 8 on rank 0 but 9"] * WORLD,
 }
@@ -367,7 +367,7 @@ RANK_ERRORS = {
 def test_sampler_faults_fail_on_every_rank_with_their_cause(fault: str, tmp_path: Path) -> None:
     """Two nodes, no launcher watching both, so each rank ends by itself: each must raise its own clear error
     before training (a Trainer test under spawn sees only the first rank's error; the launcher kills the rest)."""
-    commands = node_commands("env", tmp_path, free_port(), "--fault", fault)
+    commands = node_commands("env", tmp_path, free_port(), "--loaders", fault)
     jobs = {name: start_job(command, tmp_path, env, name) for name, (command, env) in commands.items()}
     results = finish_jobs(jobs, tmp_path)
     for rank, expected in enumerate(RANK_ERRORS[fault]):
@@ -378,3 +378,14 @@ def test_sampler_faults_fail_on_every_rank_with_their_cause(fault: str, tmp_path
         assert expected in error, f"rank {rank}:\n{error[-3000:]}"
         assert "Timed out" not in error and "Connection closed" not in error, f"rank {rank}:\n{error[-3000:]}"
     assert not list(tmp_path.glob("rank*.json")), "a rank trained"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_loaders_that_are_not_dealt_may_differ_in_class_between_ranks(tmp_path: Path) -> None:
+    """They take part in the length check only to say that they are not dealt: each rank iterates its own."""
+    commands = node_commands("env", tmp_path, free_port(), "--loaders", "streams-of-two-classes")
+    jobs = {name: start_job(command, tmp_path, env, name) for name, (command, env) in commands.items()}
+    for name, (code, log) in finish_jobs(jobs, tmp_path).items():
+        assert code == 0, f"{name}:\n{log[-3000:]}"
+    for rank in range(WORLD):
+        assert len(read_json(tmp_path / f"rank{rank}.json")["seen"]["train/only"]) == 2 * 8  # 2 epochs of 8, whole

@@ -379,14 +379,14 @@ def test_bad_shuffle_window_is_refused(window: Any) -> None:
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**64 - 1], got 1.5"),
-        ({"seed": None}, "seed must be an integer in [-2**63, 2**64 - 1], got None"),
+        ({"seed": 1.5}, "seed must be an integer in [-2**63, 2**63 - 1], got 1.5"),
+        ({"seed": None}, "seed must be an integer in [-2**63, 2**63 - 1], got None"),
         ({"pad": "no"}, "pad must be True or False, got 'no'"),
         ({"shuffle": 1}, "shuffle must be True or False, got 1"),
         ({"even_shares": "no"}, "even_shares must be True or False, got 'no'"),
         ({"even_shares": None}, "even_shares must be True or False, got None"),
-        ({"seed": 2**64}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
-        ({"seed": -(2**63) - 1}, "seed must be an integer in [-2**63, 2**64 - 1], got"),
+        ({"seed": 2**63}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
+        ({"seed": -(2**63) - 1}, "seed must be an integer in [-2**63, 2**63 - 1], got"),
     ],
 )
 def test_options_of_the_wrong_type_are_refused_at_construction(options: Dict[str, Any], message: str) -> None:
@@ -394,6 +394,18 @@ def test_options_of_the_wrong_type_are_refused_at_construction(options: Dict[str
     because they are truthy (``pad="no"``)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         DistributedBatchSamplerWrapper([[0]] * 4, 2, 0, **options)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**63 - 1])
+@pytest.mark.parametrize("window", [None, 2])
+def test_seeds_at_the_edges_of_the_range_shuffle_every_epoch(seed: int, window: Optional[int]) -> None:
+    batches = [[i] for i in range(40)]
+    wrapper = DistributedBatchSamplerWrapper(batches, 2, 0, shuffle=True, seed=seed, shuffle_window=window)
+    orders = []
+    for epoch in range(3):
+        wrapper.set_epoch(epoch)
+        orders.append(list(wrapper))
+    assert all(len(order) == 20 for order in orders) and orders[0] != orders[1]
 
 
 def test_numpy_integers_and_bools_are_accepted_as_options() -> None:

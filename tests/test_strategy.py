@@ -529,7 +529,7 @@ def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> 
     assert order(1) == first and order(2) != first
     assert order(2, seed=5) == order(3, seed=5)  # an explicit seed wins
     assert order(1, shuffle=False, shuffle_batches_between_ranks=True, shuffle_window=2) == list(range(16))
-    with pytest.raises(ValueError, match=re.escape("seed must be an integer in [-2**63, 2**64 - 1], got 1.5")):
+    with pytest.raises(ValueError, match=re.escape("seed must be an integer in [-2**63, 2**63 - 1], got 1.5")):
         CustomDDP(seed=1.5)  # type: ignore[arg-type]
 
 
