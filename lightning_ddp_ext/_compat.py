@@ -272,3 +272,28 @@ def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     epochs: Any = trainer.fit_loop.epoch_progress.current
     restarted = _restarted_epoch(trainer)
     return int(epochs.processed) + (1 if restarted is not None and _last_batch_done(restarted[1]) else 0)
+
+
+def comm_hook_states(wrapper: object, strategy: "DDPStrategy") -> List[object]:
+    """The states of the communication hooks registered on a torch ``DistributedDataParallel`` ``wrapper``.
+
+    torch keeps ``(hook, state)`` pairs in the wrapper's private ``_comm_hooks`` list, which also holds the
+    hooks a ``configure_ddp`` override registered; where a torch has no such list, the strategy's own
+    ``ddp_comm_state`` is all that is known.
+    """
+    hooks = getattr(wrapper, "_comm_hooks", None)
+    if isinstance(hooks, list):
+        return [state for _, state in hooks]
+    return [state for state in (strategy._ddp_comm_state,) if state is not None]
+
+
+def restart_static_graph_delay(strategy: "DDPStrategy") -> None:
+    """Let Lightning flush the first iteration of a newly built ``static_graph=True`` wrapper again.
+
+    Lightning 2.6.0 on (#21251) calls the reducer's ``_delay_all_reduce`` after the first backward pass of a
+    static-graph wrapper under manual optimization, once per strategy (``_pl_static_graph_delay_done``); a
+    wrapper built during the fit has a first iteration of its own. Earlier versions have no such flag (and
+    leave that first iteration's gradients unreduced on every wrapper).
+    """
+    if hasattr(strategy, "_pl_static_graph_delay_done"):
+        strategy._pl_static_graph_delay_done = False

@@ -349,31 +349,29 @@ class CustomDDP(DDPStrategy):
         Every rank must get here at the same batch: the DDP constructor is a collective (it checks the
         parameters' shapes across ranks and broadcasts rank 0's parameters and buffers). Flags changed in
         callbacks or LightningModule hooks change on every rank alike. Ranks that all changed them, but
-        differently, raise a RuntimeError here on every rank (one all-gather, at re-wrap only). Flags changed on
-        some ranks only cannot be detected without a collective at every step: the re-wrapping ranks'
-        collectives then meet the others' gradient all-reduce, which fails or runs into the process group's
-        ``timeout``.
+        differently, raise a RuntimeError here on every rank, naming the first parameter that differs (one
+        all-gather of a digest; the flags themselves are gathered only then). Flags changed on some ranks only
+        cannot be detected without a collective at every step: the re-wrapping ranks' collectives then meet the
+        others' gradient all-reduce, which fails or runs into the process group's ``timeout``.
 
         Gradients accumulated under ``no_sync`` before the re-wrap stay in ``.grad`` and are all-reduced, as
-        part of the sum, at the next synchronising step by the new wrapper; those of parameters frozen in the
-        middle of an accumulation window, which the new wrapper does not reduce, are averaged here (the
-        optimizer still steps a frozen parameter that has a gradient, as on one process). The new wrapper
-        broadcasts rank 0's parameters and buffers (they are equal on all ranks by then), starts a new static
-        graph (``static_graph=True``) and gets the comm hook again (``ddp_comm_hook``, or whatever
-        ``configure_ddp`` registers); a hook state that keeps per-bucket data (PowerSGD's error feedback) sees
-        new buckets.
+        part of the sum, at the next synchronising step by the new wrapper. Those of newly frozen parameters,
+        which the new wrapper does not reduce, are averaged here (:meth:`_average_gradients_left_behind`).
+
+        Parameters are equal on all ranks here; buffers need not be (BatchNorm's running statistics follow each
+        rank's batches). The new wrapper broadcasts rank 0's parameters and, unless ``broadcast_buffers=False``,
+        rank 0's buffers, as DDP's constructor does (with the default ``broadcast_buffers=True`` every forward
+        does so anyway). It starts a new static graph (``static_graph=True``) and gets the comm hook again
+        (``ddp_comm_hook``, or whatever ``configure_ddp`` registers); PowerSGD's per-bucket error feedback and
+        low-rank memories are cleared first (:meth:`_restart_per_bucket_state`), as the buckets change.
         """
+        import weakref
+
         old = self.model
         assert isinstance(old, DistributedDataParallel)
         before = self._wrapped_requires_grad
         now = list(map(_requires_grad, self._wrapped_parameters))
-        # Gradients of newly frozen parameters: None after Lightning's zero_grad, local sums in a `no_sync` window.
-        left = [p.grad for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
-        left_behind = [grad for grad in left if grad is not None]
-        self._agree_on_requires_grad(now, len(left_behind))
-        for grad in left_behind:  # averaging is a no-op for gradients the old wrapper already reduced
-            dist.all_reduce(grad, group=self.data_parallel_group)
-            grad.div_(dist.get_world_size(self.data_parallel_group))
+        self._agree_on_requires_grad(now)
         cuda = self.root_device.type == "cuda"
         if cuda:  # the old wrapper's reduction and the optimizer step are done before rank 0's parameters go out
             torch.cuda.synchronize(self.root_device)
@@ -382,9 +380,18 @@ class CustomDDP(DDPStrategy):
         getattr(old, "_remove_autograd_hooks", lambda: None)()
         for handle in getattr(old, "_accum_grad_hooks", ()):
             handle.remove()
+        for state in _compat.comm_hook_states(old, self):
+            self._restart_per_bucket_state(state)
         module = old.module
         self.model = module
+        retired = weakref.ref(old)
         del old
+        if retired() is not None:  # kept alive by a reference cycle: free its buckets (a wrapper's worth of
+            gc.collect()  # gradient memory) now, before the new ones are allocated, not at some later step
+        # after freeing the old buckets: the flat copies of the gradients take their place
+        self._average_gradients_left_behind(
+            [p for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
+        )
         self._wrap_lightning_model()
         if self.model is module:
             raise RuntimeError(
@@ -392,11 +399,9 @@ class CustomDDP(DDPStrategy):
                 " DistributedDataParallel, and wrapping it again left it unwrapped. Change requires_grad before"
                 " the fit starts, or make configure_ddp return a new wrapper."
             )
-        gc.collect()  # free the old buckets now (a wrapper's worth of gradient memory), not at some later step
         if cuda:
             torch.cuda.synchronize(self.root_device)
-        if hasattr(self, "_pl_static_graph_delay_done"):  # Lightning >= 2.6: the new wrapper's first iteration
-            self._pl_static_graph_delay_done = False
+        _compat.restart_static_graph_delay(self)  # the new wrapper's first iteration under manual optimization
         unfrozen = sum(n and not b for n, b in zip(now, before))
         frozen = sum(b and not n for n, b in zip(now, before))
         rank_zero_info(
@@ -405,22 +410,96 @@ class CustomDDP(DDPStrategy):
             " the right gradients."
         )
 
-    def _agree_on_requires_grad(self, flags: List[bool], gradients_left: int) -> None:
-        """Raise on every rank when the ranks about to re-wrap froze or unfroze different parameters."""
+    def _agree_on_requires_grad(self, flags: List[bool]) -> None:
+        """Raise on every rank, naming the first parameter that differs, when the ranks about to re-wrap froze or
+        unfroze different parameters."""
         group = self.data_parallel_group
-        digest = [sum(flags), zlib.crc32(bytes(flags)), gradients_left]
-        mine = torch.tensor(digest, dtype=torch.int64, device=self.root_device)
+        mine = torch.tensor([sum(flags), zlib.crc32(bytes(flags))], dtype=torch.int64, device=self.root_device)
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
-        if any(not torch.equal(other, gathered[0]) for other in gathered):
-            counts = {rank: int(value[0]) for rank, value in enumerate(gathered)}
-            raise RuntimeError(
-                f"{type(self).__name__}: the parameters that require grad differ between ranks (tensors that do, per"
-                f" rank: {counts}; or the gradients of the newly frozen ones exist on some ranks only). Every rank"
-                " must freeze and unfreeze the same parameters at the same step: change requires_grad in code that"
-                " runs alike on every rank (a callback, a LightningModule hook), not depending on the rank or on"
-                " per-rank randomness."
+        if all(torch.equal(other, gathered[0]) for other in gathered):
+            return
+        every: List[Any] = [None] * len(gathered)
+        dist.all_gather_object(every, flags, group=group)
+        counts = {rank: sum(ranks_flags) for rank, ranks_flags in enumerate(every)}
+        # None (for a StopIteration would end Lightning's epoch loop silently) only if the digests differ but
+        # the flags do not, or ranks wrapped different numbers of parameters
+        index = next((i for i, column in enumerate(zip(*every)) if len(set(column)) > 1), None)
+        first = ""
+        if index is not None:
+            parameter = self._wrapped_parameters[index]
+            module = self.lightning_module
+            names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+            does = [rank for rank, ranks_flags in enumerate(every) if ranks_flags[index]]
+            does_not = [rank for rank, ranks_flags in enumerate(every) if not ranks_flags[index]]
+            first = (
+                f" {names.get(id(parameter), f'parameter #{index}')} requires grad on rank(s) {does} but not on"
+                f" rank(s) {does_not} (the first that differs);"
             )
+        raise RuntimeError(
+            f"{type(self).__name__}: the parameters that require grad differ between ranks:{first} tensors that"
+            f" require grad, per rank: {counts}. Every rank must freeze and unfreeze the same parameters at the same"
+            " step: change requires_grad in code that runs alike on every rank (a callback, a LightningModule hook),"
+            " not depending on the rank or on per-rank randomness."
+        )
+
+    @staticmethod
+    def _restart_per_bucket_state(state: object) -> None:
+        """Clear what a comm-hook state keeps per bucket index, for a wrapper with other buckets.
+
+        ``PowerSGDState`` keeps its error feedback and low-rank memories in dicts keyed by bucket index: the
+        new wrapper's bucket 0 would be added the old bucket 0's residual ("The size of tensor a (217) must
+        match the size of tensor b (5)"). Cleared, error feedback and warm start begin again with the new
+        buckets. Its iteration count carries on, but the new wrapper's first iteration is all-reduced
+        uncompressed: DDP rebuilds its buckets after that iteration (the reason ``PowerSGDState`` refuses
+        ``start_powerSGD_iter <= 1`` with error feedback or warm start), so compression resumes on the
+        rebuilt buckets, as at the start of training.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+        if isinstance(state, PowerSGDState):
+            state.error_dict.clear()
+            state.p_memory_dict.clear()
+            state.q_memory_dict.clear()
+            if state.use_error_feedback or state.warm_start:
+                state.start_powerSGD_iter = max(state.start_powerSGD_iter, state.iter + 1)
+
+    def _average_gradients_left_behind(self, frozen: List[Parameter]) -> None:
+        """Average across ranks the gradients that parameters frozen since the last wrap still hold.
+
+        The new wrapper does not reduce them, but the optimizer still steps a frozen parameter that has a
+        gradient, as on one process. They are the last step's, already averaged by the old wrapper (Lightning
+        zeroes gradients later, inside the step's closure; averaging them again leaves them as they are, up to
+        rounding), or local sums of a ``no_sync`` window. With ``find_unused_parameters=True`` and data-dependent
+        routing such a local sum can exist on some ranks only: the others take zeros, as DDP's own reduction
+        does for a parameter unused on a rank. Where no rank has a gradient it stays None. Costs one all-reduce
+        of a mask, then one per (dtype, device) of the gradients, in a flat buffer (sparse ones one by one), a
+        copy of those gradients for the time of the all-reduce.
+        """
+        if not frozen:
+            return
+        group = self.data_parallel_group
+        world = dist.get_world_size(group)
+        held = torch.tensor([p.grad is not None for p in frozen], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(held, group=group)  # how many ranks hold each one
+        flat: Dict[tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+        for parameter, holders in zip(frozen, held.tolist()):
+            if holders == 0:
+                continue
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            grad = parameter.grad
+            if grad.is_sparse:
+                dist.all_reduce(grad, group=group)
+                grad.div_(world)
+            else:
+                flat.setdefault((grad.dtype, grad.device), []).append(grad)
+        for grads in flat.values():
+            buffer = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(buffer, group=group)
+            buffer.div_(world)
+            for grad, averaged in zip(grads, buffer.split([grad.numel() for grad in grads])):
+                grad.copy_(averaged.view_as(grad))
 
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` for data-parallel training and return the wrapper; override to use another wrapper.

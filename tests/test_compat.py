@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from packaging.version import Version
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_ext import CustomDDP, _compat
 
@@ -52,3 +53,28 @@ def test_sampler_replacement_switch() -> None:
     assert trainer._accelerator_connector.use_distributed_sampler is True
     refused = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False)
     assert _compat.take_over_sampler_replacement(refused) is False
+
+
+def test_static_graph_flush_flag() -> None:
+    """Lightning 2.6.0 added the flag (#21251: the first static-graph iteration under manual optimization)."""
+    strategy = DDPStrategy(static_graph=True)
+    assert hasattr(strategy, "_pl_static_graph_delay_done") == (Version(lightning.__version__) >= Version("2.6.0"))
+    if hasattr(strategy, "_pl_static_graph_delay_done"):
+        assert "self._pl_static_graph_delay_done = True" in inspect.getsource(DDPStrategy.post_backward)
+        strategy._pl_static_graph_delay_done = True
+    _compat.restart_static_graph_delay(strategy)
+    assert getattr(strategy, "_pl_static_graph_delay_done", False) is False
+
+
+def test_comm_hook_states() -> None:
+    """torch's DDP keeps (hook, state) pairs in ``_comm_hooks``; without them, the strategy's own state."""
+    assert "self._comm_hooks.append((hook, state))" in inspect.getsource(DistributedDataParallel.register_comm_hook)
+    state, other = object(), object()
+
+    class Wrapper:
+        _comm_hooks = [(hook, state), (hook, other)]
+
+    strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+    assert _compat.comm_hook_states(Wrapper(), strategy) == [state, other]
+    assert _compat.comm_hook_states(object(), strategy) == [state]
+    assert _compat.comm_hook_states(object(), DDPStrategy()) == []

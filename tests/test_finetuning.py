@@ -5,26 +5,39 @@ grad then. A backbone unfrozen at a later epoch is never all-reduced under it (e
 gradient: the ranks' weights drift apart, silently), and a parameter frozen after wrapping leaves DDP waiting
 for a gradient that never comes. CustomDDP re-wraps the model when the flags change (Lightning issue #20340).
 
-One 2-rank spawn fit against one 1-process fit on the combined batches: the backbone joins at epoch 1, the
-head leaves in the middle of an accumulation window of epoch 2 (its gradient of the window's first batch must
-be averaged across ranks, as Adam still steps it), with ``accumulate_grad_batches=2`` and a ``configure_ddp``
-override that registers a counting comm hook (re-wrapping must go through the override, and ``no_sync``
-must still skip the accumulating steps).
+Three 2-rank spawn fits, two of them against a 1-process fit on the combined batches:
+
+* the backbone joins at epoch 1; the head and an expert leave in the middle of an accumulation window of epoch 2
+  (``accumulate_grad_batches=2``). The window's first gradient must be averaged across ranks, as Adam still
+  steps them; with ``find_unused_parameters=True`` only rank 0's data goes through the expert, so only rank 0
+  holds its gradient. A ``configure_ddp`` override registers a counting comm hook (re-wrapping must go through
+  the override, and ``no_sync`` must still skip the accumulating steps);
+* the same schedule, without accumulation, with manual optimization and ``static_graph=True`` (Lightning
+  flushes the first static-graph iteration of each new wrapper);
+* the same schedule, without accumulation, with PowerSGD, whose per-bucket error feedback must restart with
+  the new buckets (no reference: PowerSGD is lossy, but both ranks must end equal).
+
+The error for ranks that froze different parameters is checked without a fit.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
+from packaging.version import Version
+from distributed_helpers import run_distributed
 from scenarios import TEST_PG_TIMEOUT, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ddp_ext import CustomDDP
+from lightning_ddp_ext import CustomDDP, _compat
 
 pytestmark = pytest.mark.usefixtures("spawn_job")
 
@@ -33,11 +46,13 @@ EPOCHS = 3
 
 
 class Points(Dataset):
-    """Seeded regression points: item i is (x_i, y_i)."""
+    """Seeded regression points: item i is (x_i, y_i). The last feature is +1 for even items, -1 for odd ones:
+    rank 0 is dealt the even items, rank 1 the odd ones."""
 
     def __init__(self, size: int) -> None:
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(size, 8, generator=generator)
+        self.x[:, 7] = 1.0 - 2.0 * (torch.arange(size) % 2)
         self.y = self.x[:, :1] * 2 - self.x[:, 1:2] + 0.1 * torch.randn(size, 1, generator=generator)
 
     def __len__(self) -> int:
@@ -64,13 +79,38 @@ class FineTuned(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
 
+    def report(self) -> Dict[str, Any]:
+        return {"weights": self.state_dict(), "wraps": getattr(self.trainer.strategy, "wraps", None)}
+
     def on_train_end(self) -> None:
-        report = {"weights": self.state_dict(), "wraps": getattr(self.trainer.strategy, "wraps", None)}
-        torch.save(report, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+        torch.save(self.report(), Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+class Routed(FineTuned):
+    """With an expert that only samples whose last feature is positive go through (a mixture of experts, a
+    conditional head): rank 0's, all of them, and none of rank 1's."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.expert = torch.nn.Linear(4, 1)
+        self.expert_gradient_held: Optional[bool] = None  # when it was frozen (see Finetuning)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        features = self.backbone(x)
+        prediction = self.head(features)
+        routed = x[:, 7:] > 0
+        if routed.any():  # a batch without routed samples leaves the expert out of the graph: no gradient at all
+            prediction = prediction + routed * self.expert(features)
+        return torch.nn.functional.mse_loss(prediction, y)
+
+    def report(self) -> Dict[str, Any]:
+        return {**super().report(), "expert_gradient_held": self.expert_gradient_held}
 
 
 class Finetuning(BaseFinetuning):
-    """The backbone joins the optimizer as a new group at epoch 1; the head is frozen at batch 1 of epoch 2."""
+    """The backbone joins the optimizer as a new group at epoch 1; the head (and the expert) are frozen at batch 1
+    of epoch 2."""
 
     def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
         self.freeze(pl_module.backbone)
@@ -82,6 +122,9 @@ class Finetuning(BaseFinetuning):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.current_epoch == 2 and idx == 1:  # the second micro-batch of the epoch's first window
             self.freeze(pl_module.head)
+            if isinstance(pl_module, Routed):
+                pl_module.expert_gradient_held = pl_module.expert.weight.grad is not None
+                self.freeze(pl_module.expert)
 
 
 def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -102,33 +145,135 @@ class RecordingDDP(CustomDDP):
         return wrapped
 
 
-def fit(out_dir: Path, batch_size: int, **overrides: Any) -> None:
-    kwargs = trainer_kwargs(callbacks=[Finetuning()], max_epochs=EPOCHS, accumulate_grad_batches=2, **overrides)
-    pl.Trainer(**kwargs).fit(FineTuned(str(out_dir)), DataLoader(Points(SIZE), batch_size=batch_size))
+def fit(out_dir: Path, batch_size: int, module: type = FineTuned, **overrides: Any) -> None:
+    defaults = {"callbacks": [Finetuning()], "max_epochs": EPOCHS, "accumulate_grad_batches": 2}
+    kwargs = trainer_kwargs(**{**defaults, **overrides})
+    pl.Trainer(**kwargs).fit(module(str(out_dir)), DataLoader(Points(SIZE), batch_size=batch_size))
 
 
-@pytest.mark.timeout(300)
-def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(tmp_path: Path) -> None:
-    """Fails without re-wrapping: the backbone's gradients stay per rank from epoch 1, so the ranks' backbones
-    differ, and differ from the 1-process run's."""
+def fit_as_one_process(tmp_path: Path, strategy: CustomDDP, module: type, **overrides: Any) -> List[Dict[str, Any]]:
+    """Fit on 2 ranks and on 1 process; assert that both ranks end with the 1-process run's weights (to rounding)
+    and with equal weights; return the ranks' reports."""
     (tmp_path / "ddp").mkdir()
     (tmp_path / "one").mkdir()
     # per rank: dealt 0, 2, 4, ... and 1, 3, 5, ...; each batch of the 1-process run is the two ranks' together
-    fit(tmp_path / "ddp", batch_size=2, strategy=RecordingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT))
-    fit(tmp_path / "one", batch_size=4, devices=1)
+    fit(tmp_path / "ddp", batch_size=2, module=module, strategy=strategy, **overrides)
+    fit(tmp_path / "one", batch_size=4, module=module, devices=1, **overrides)
     ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
     reference = torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)["weights"]
-
-    initial = FineTuned(str(tmp_path)).state_dict()
+    initial = module(str(tmp_path)).state_dict()
     for name, value in reference.items():
         assert not torch.equal(value, initial[name]), name  # every parameter trained in the reference
         for rank, report in enumerate(ranks):
             difference = (report["weights"][name] - value).abs().max().item()
             assert difference <= 1e-5, (rank, name, difference)
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+    return ranks
 
-    # Wrapped 3 times through the override: head only (2 tensors), + backbone (6), backbone only (4); each
+
+@pytest.mark.timeout(300)
+def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(tmp_path: Path) -> None:
+    """Fails without re-wrapping: the backbone's gradients stay per rank from epoch 1, so the ranks' backbones
+    differ, and differ from the 1-process run's. Fails too when the ranks compare whether they hold gradients of
+    the newly frozen parameters (a false "differ between ranks" error: only rank 0 holds the expert's), and when
+    rank 1 does not take zeros for the expert's gradient (the ranks' all-reduces no longer match)."""
+    strategy = RecordingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, find_unused_parameters=True)
+    ranks = fit_as_one_process(tmp_path, strategy, Routed)
+    assert [report["expert_gradient_held"] for report in ranks] == [True, False]
+
+    # Wrapped 3 times through the override: head and expert (4 tensors), + backbone (8), backbone only (4); each
     # wrapper's comm hook reduced once per optimizer step it ended (2 each: no_sync skipped the accumulating
     # micro-batches, the one before the last re-wrap included).
     for report in ranks:
-        assert report["wraps"] == [{"trainable": n, "rounds": 2} for n in (2, 6, 4)], report["wraps"]
+        assert report["wraps"] == [{"trainable": n, "rounds": 2} for n in (4, 8, 4)], report["wraps"]
+
+
+class ManualFineTuned(FineTuned):
+    """FineTuned with manual optimization: one step per batch, gradients set to None after it."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    Version(lightning.__version__) < Version("2.6.0"),
+    reason="Lightning before 2.6.0 does not synchronise the first step of manual optimization with"
+    " static_graph=True at all, re-wrapped or not (Lightning #21251)",
+)
+def test_manual_optimization_with_static_graph_across_re_wraps(tmp_path: Path) -> None:
+    """Fails without letting Lightning flush the first static-graph iteration of each new wrapper: that step's
+    gradients are not all-reduced, and the ranks drift apart (by 0.1 here)."""
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, static_graph=True)
+    fit_as_one_process(tmp_path, strategy, ManualFineTuned, accumulate_grad_batches=1)
+
+
+class SpawnablePowerSGDState(PowerSGDState):
+    """A PowerSGDState that spawned ranks can unpickle: torch's ``__setstate__`` looks the default process group
+    up, which a spawned rank creates only later (None means that group to the hook too)."""
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+
+
+class PowerSGDFineTuned(FineTuned):
+    def report(self) -> Dict[str, Any]:
+        state = _compat.comm_hook_arguments(self.trainer.strategy)[0]
+        assert isinstance(state, PowerSGDState)
+        return {**super().report(), "error_feedback": len(state.error_dict), "start": state.start_powerSGD_iter}
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_error_feedback_restarts_with_the_new_buckets(tmp_path: Path) -> None:
+    """Fails without clearing PowerSGD's per-bucket state: compression started at step 2, before the unfreeze
+    at step 4 (then "The size of tensor a (217) must match the size of tensor b (5)")."""
+    state = SpawnablePowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    strategy = CustomDDP(
+        start_method="spawn", timeout=TEST_PG_TIMEOUT, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook
+    )
+    # 4 steps per epoch; the re-wraps at steps 4 and 9 each leave the new wrapper's first step uncompressed
+    fit(tmp_path, batch_size=2, module=PowerSGDFineTuned, accumulate_grad_batches=1, strategy=strategy)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    initial = FineTuned(str(tmp_path)).state_dict()
+    for name, value in ranks[0]["weights"].items():
+        assert not torch.equal(value, initial[name]), name
+        assert torch.equal(value, ranks[1]["weights"][name]), name
+    for report in ranks:  # compression ran on the last wrapper, after its first step
+        assert report["error_feedback"] > 0 and report["start"] == 10, report
+
+
+def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
+    """On a real gloo group: the same flags agree; then rank 1 unfreezes one tensor fewer than rank 0."""
+    module = FineTuned("unused")
+    strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
+    strategy.connect(module)
+    strategy._wrapped_parameters = list(module.parameters())
+    flags = [True] * 6
+    errors: List[Optional[str]] = []
+    for case in ("same", "different"):
+        if case == "different" and rank == 1:
+            flags[3] = False  # backbone.2.bias
+        try:
+            strategy._agree_on_requires_grad(flags)
+            errors.append(None)
+        except RuntimeError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_ranks_that_froze_different_parameters_are_told_which() -> None:
+    """The error names the parameter, on every rank."""
+    for rank, (same, different) in enumerate(run_distributed(_agree_on_flags, 2)):
+        assert same is None, (rank, same)
+        assert different is not None, rank
+        message = r"backbone\.2\.bias requires grad on rank\(s\) \[0\] but not on rank\(s\) \[1\] .*: \{0: 6, 1: 5\}"
+        assert re.search(message, different), (rank, different)
