@@ -21,10 +21,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp_ext import _compat
 from lightning_ddp_ext.strategy import CustomDDP
 
 if TYPE_CHECKING:
@@ -378,11 +380,18 @@ def _sharded_data_parallel_class() -> type:
         queued no wait for those reductions: the second optimizer stepped on unreduced gradients, without an
         error. Here SDP's end-of-backward callback (``_flush_reduce_calls``, which waits for the reductions)
         marks the backward pass done, and the first gradient of the next backward pass arms the reduction again.
+        Within one backward pass a parameter is reduced at its first gradient only: one used both inside and
+        outside a reentrant ``checkpoint`` segment (a nested backward pass) gets a wrong gradient, as with
+        fairscale's wrapper (non-reentrant checkpointing is fine).
+
+        The re-arming runs in SDP's own reduce hook (``_get_reduce_fn``), before it reduces: no hook of its own.
 
         A gradient that accumulates onto a reduced one (two backward passes without ``zero_grad`` between them)
         must become ``reduced + mean(new)``. Its owner holds the reduced gradient and the other ranks none, so
         the owner's is multiplied by the world size just before the new gradient is added: the reduction, a sum
-        divided by the world size, then gives that. fairscale's private attributes, checked on fairscale 0.4.13.
+        divided by the world size, then gives that. That needs a hook before accumulation, on the parameters
+        this rank owns only (and none on one rank, where the factor is 1). fairscale's private attributes,
+        checked on fairscale 0.4.13.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -397,21 +406,19 @@ def _sharded_data_parallel_class() -> type:
             super()._setup_backward_hooks()
             while self._accumulation_hooks:
                 self._accumulation_hooks.pop().remove()
-            if not self.training:  # as SDP: no hooks in eval mode
+            if not self.training or self._group_size == 1:  # as SDP: no hooks in eval mode; one rank: factor 1
                 return
             for param in self._trainable_params:
+                if self._trainable_param_to_rank[param] != self._global_rank:  # only owners hold reduced gradients
+                    continue
                 view = param.expand_as(param)
                 if view.grad_fn is not None:  # the node SDP hooks (and keeps alive), before it accumulates
                     accumulator = view.grad_fn.next_functions[0][0]
                     self._accumulation_hooks.append(accumulator.register_prehook(self._before_accumulating(param)))
 
         def _before_accumulating(self, param: torch.Tensor) -> Any:
-            @torch.no_grad()
+            # No torch.no_grad(): autograd runs hooks with grad mode off (SDP refuses create_graph gradients).
             def hook(grad_outputs: Any) -> None:
-                if self._backward_done:  # the first gradient of a new backward pass: reduce again
-                    self._backward_done = False
-                    self._grad_to_be_reduced = [True for _ in self._trainable_params]
-                    self._bucket_flush_callback_set = False
                 if param in self._holding_reduced:
                     self._holding_reduced.discard(param)
                     if param.grad is not None:
@@ -420,9 +427,22 @@ def _sharded_data_parallel_class() -> type:
             return hook
 
         @override
+        def _get_reduce_fn(self, index: int, param: torch.Tensor, dst_rank: int) -> Any:
+            reduce = super()._get_reduce_fn(index, param, dst_rank)
+
+            def rearm_then_reduce(*args: Any) -> None:
+                if self._backward_done:  # the first gradient of a new backward pass: reduce again
+                    self._backward_done = False
+                    self._grad_to_be_reduced = [True for _ in self._trainable_params]
+                    self._bucket_flush_callback_set = False
+                reduce(*args)
+
+            return rearm_then_reduce
+
+        @override
         def _flush_reduce_calls(self) -> None:
             super()._flush_reduce_calls()  # waits for every reduction of this backward pass
-            for index, param in enumerate(self._trainable_params):
+            for index, param in enumerate(self._trainable_params if self._group_size > 1 else ()):
                 # the rank whose gradient SDP keeps after the reduction (its `cleanup`)
                 if not self._grad_to_be_reduced[index] and self._trainable_param_to_rank[param] == self._global_rank:
                     self._holding_reduced.add(param)
@@ -511,7 +531,10 @@ def clip_grad_norm_of_shards(
     ]
     counted = list(filter_params_fn(owned)) if filter_params_fn is not None else owned
     device = owned[0].grad.device if owned else optimizer._default_device
-    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in owned) else torch.float32
+    # The same dtype on every rank (the collective below needs it): from all the optimizer's parameters, not
+    # from this rank's gradients (a rank that owns no float64 parameter would reduce in float32).
+    every_param = (p for group in optimizer.param_groups for p in group["params"])
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in every_param) else torch.float32
     norms = [torch.linalg.vector_norm(p.grad.detach(), norm_type, dtype=dtype).to(device) for p in counted]
     if norm_type == math.inf:
         local = torch.stack(norms).max() if norms else torch.zeros((), dtype=dtype, device=device)
@@ -552,26 +575,39 @@ def _clip_through_oss(plugin: Precision) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def require_every_rank(group: Any, timeout: timedelta) -> None:
-    """Return once every rank of the Gloo ``group`` has called this; raise a RuntimeError after ``timeout``.
+def require_every_rank(group: Any, timeout: timedelta, group_timeout: Optional[timedelta] = None) -> None:
+    """Return once every rank of the Gloo ``group`` has called this; raise a RuntimeError where that fails.
 
     Consolidating the sharded optimizer state is a collective, so a checkpoint saved on some ranks only
-    would hang. ``monitored_barrier`` turns that into an error naming the missing ranks. Only rank 0 waits
-    ``timeout`` there: the other ranks wait for rank 0's answer as long as ``group``'s own timeout allows,
-    so make ``group`` with the same timeout (:func:`_renew_save_group` does) for every calling rank to raise.
-    After a timeout ``group`` is unusable (and the run is over anyway), so give it a group of its own.
+    would hang. ``monitored_barrier`` turns that into an error. Its two sides wait differently (torch's
+    Gloo ``monitored_barrier``): rank 0 waits ``timeout`` for the others, then raises naming the ranks that
+    did not come (they are not saving); every other rank waits for rank 0's answer as long as ``group``'s
+    own timeout (``group_timeout``, only used in the message), then raises. Rank 0 arriving late is not an
+    error as long as it is within that timeout: give ``group`` the timeout of the main process group
+    (:func:`_renew_save_group` does), so that rank-0-only work before a save (an upload, an evaluation) is
+    waited for as any collective would wait for it. After a timeout ``group`` is unusable (and the run is
+    over anyway), so give it a group of its own.
     """
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
+        if dist.get_rank(group) == 0:
+            problem = f"not every rank is saving (rank 0 waited {timeout} for them): {error}."
+        else:
+            waited = f"within {group_timeout}" if group_timeout is not None else "within the process group's timeout"
+            problem = (
+                f"rank 0 did not reach the checkpoint {waited}: either it is not saving, or it is late (rank 0 may"
+                f" lag the other ranks by at most the process group's timeout): {error}."
+            )
         raise RuntimeError(
-            f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but not every rank"
-            f" is saving (waited {timeout}): {error}. Call trainer.save_checkpoint() on every rank (only rank 0"
-            " writes the file), not under `if trainer.is_global_zero:`; ModelCheckpoint does this already."
+            f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but {problem} Call"
+            " trainer.save_checkpoint() on every rank (only rank 0 writes the file), not under"
+            " `if trainer.is_global_zero:`; ModelCheckpoint does this already."
         ) from error
 
 
-#: The checkpoint guard's Gloo group ("group") and the default process group it was made in ("world").
+#: The checkpoint guard's Gloo group ("group"), the default process group it was made in ("world") and the
+#: group's timeout ("timeout").
 _save_guard: Dict[str, Any] = {}
 
 
@@ -581,12 +617,14 @@ def _renew_save_group(timeout: timedelta) -> Any:
     Each strategy setup (every fit, validate, test) calls this on every rank, so a group left unusable by a
     timed-out guard is not used again, and one such group exists per process, whichever Trainer made it. It
     is not destroyed at teardown: ``trainer.save_checkpoint`` after ``fit`` is guarded too. Its ``timeout``
-    bounds how long ranks other than 0 wait in the guard (without it, the default process-group timeout).
+    is how long ranks other than 0 wait for rank 0 in the guard: the main process group's timeout, so that
+    a late rank 0 is waited for as long as any collective would wait for it.
     """
     if _save_guard.get("world") is dist.group.WORLD:  # else it went with its default group
         dist.destroy_process_group(_save_guard["group"])
-    _save_guard.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo", timeout=timeout))
-    return _save_guard["group"]
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    _save_guard.update(world=dist.group.WORLD, group=group, timeout=timeout)
+    return group
 
 
 def _current_save_group() -> Optional[Any]:
@@ -629,11 +667,14 @@ class CustomDDPSharded(CustomDDP):
     Saving a checkpoint gathers every rank's shard: ``trainer.save_checkpoint`` must run on every rank (it
     writes from rank 0 only), as ModelCheckpoint does. Called on some ranks only (e.g. under
     ``if trainer.is_global_zero:``), the gather would hang; instead every rank that is saving raises a
-    RuntimeError after ``save_timeout`` (rank 0 naming the missing ranks).
+    RuntimeError: rank 0 after ``save_timeout``, naming the ranks that are not saving; any other rank after
+    the process group's ``timeout`` (rank 0 did not come). Rank 0 may therefore come late to a save that
+    every rank makes (rank-0-only work before it), by up to the process group's ``timeout``, not more.
 
     Args:
-        save_timeout: how long a rank saving a checkpoint waits for the others before raising (it is also the
-            timeout of the Gloo group the strategy makes for this check).
+        save_timeout: how long rank 0, saving a checkpoint, waits for the other ranks before raising that
+            they are not saving. The other ranks wait for rank 0 as long as the process group's ``timeout``
+            (or ``save_timeout``, if that is longer): the timeout of the Gloo group made for this check.
         **kwargs: everything :class:`~lightning_ddp_ext.CustomDDP` accepts, and ShardedDataParallel's
             ``broadcast_buffers``, ``sync_models_at_startup``, ``auto_refresh_trainable``, ``reduce_fp16`` and
             ``warn_on_trainable_params_changed``. torch DDP options (``find_unused_parameters``,
@@ -686,8 +727,12 @@ class CustomDDPSharded(CustomDDP):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
-        # leaves its group unusable, which must not be the group training runs on.
-        _renew_save_group(self.save_timeout)
+        # leaves its group unusable, which must not be the group training runs on. Ranks other than 0 wait
+        # for rank 0 in the guard as long as this group's timeout: the main group's, so that a rank 0 that is
+        # late (rank-0-only work before a save) is waited for as in any collective; never less than
+        # save_timeout, so that rank 0 reports ranks that are not saving before the others give up on it.
+        main_timeout = _compat.process_group_timeout(self) or default_pg_timeout
+        _renew_save_group(max(main_timeout, self.save_timeout))
 
     # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
     @override
@@ -781,7 +826,7 @@ class CustomDDPSharded(CustomDDP):
             return super().optimizer_state(optimizer)
         save_group = _current_save_group()
         if save_group is not None:
-            require_every_rank(save_group, self.save_timeout)
+            require_every_rank(save_group, self.save_timeout, _save_guard.get("timeout"))
         try:
             return super().optimizer_state(optimizer)
         finally:

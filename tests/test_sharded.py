@@ -526,6 +526,7 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_ddp_ext.sharded import (
         _clip_through_oss,
         _point_schedulers_at,
+        clip_grad_norm_of_shards,
         rank_synchronised_scaler,
         shard_optimizer,
     )
@@ -665,10 +666,17 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
             counts.append(groups())
     assert counts == [counts[0]] + [counts[0] + 1] * 4, counts
 
-    # A save on one rank only raises on that rank after save_timeout, rank 0 or not, instead of hanging. The
-    # other rank never saves: it waits on the world group (keeping the guard's group alive) until then.
+    # A save on one rank only raises on that rank instead of hanging: rank 0 after save_timeout (the others are
+    # not saving), rank 1 after the process group's timeout (rank 0 did not come). The other rank never saves:
+    # it waits on the world group (keeping the guard's group alive) until then. The strategy's `timeout` (the
+    # main group's, which the guard's group takes) is short here, so rank 1 alone fails fast.
+    import os
+    import time
+
+    os.environ["LOCAL_RANK"] = str(rank)  # this spawned rank's, for the strategy's global_rank (rank 0 writes)
     guarded = CustomDDPSharded(
-        save_timeout=timedelta(seconds=2),
+        save_timeout=timedelta(seconds=1),
+        timeout=timedelta(seconds=4),
         accelerator=CPUAccelerator(),
         parallel_devices=[torch.device("cpu")] * 2,
         cluster_environment=LightningEnvironment(),
@@ -676,10 +684,31 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     for lone in range(world_size):
         guarded.setup_distributed()  # a fresh guard group: one that timed out is unusable
         if rank == lone:
-            with pytest.raises(RuntimeError, match="not every rank is saving") as raised:
+            expected = "not every rank is saving" if rank == 0 else "rank 0 did not reach the checkpoint within 0:00:04"
+            with pytest.raises(RuntimeError, match=expected) as raised:
                 guarded.optimizer_state(oss)
             facts["guard"] = str(raised.value)
         dist.barrier()
+    # Every rank saving, rank 0 late by more than save_timeout (rank-0-only work before the save) but less than
+    # the process group's timeout: the others wait for it, as in any collective, and the save goes through.
+    guarded.setup_distributed()
+    if rank == 0:
+        time.sleep(2.5)
+    facts["late_rank_0_state"] = sorted(guarded.optimizer_state(oss))
+
+    # Clipping reduces in the same dtype on every rank: a float64 model whose only parameter one rank owns
+    # (the other has no gradient, and reduced in float32: gloo failed on the mismatch).
+    weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    lone_oss = shard_optimizer(torch.optim.SGD([weight], lr=0.0))
+    owner = lone_oss._param_to_rank[weight]
+    if rank == owner:
+        weight.grad = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    norm = clip_grad_norm_of_shards(lone_oss, 1.0)
+    assert norm.dtype == torch.float64 and norm.item() == pytest.approx(13.0), (rank, norm)
+    if rank == owner:
+        assert torch.allclose(weight.grad, torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64) / (13.0 + 1e-6))
+    else:
+        assert weight.grad is None
     return facts
 
 
@@ -688,8 +717,11 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
 def test_parts_on_two_ranks() -> None:
     facts = run_distributed(_parts, 2, timeout=90)
     assert "Ranks 1 failed to pass monitoredBarrier" in facts[0]["guard"]  # rank 0 names the missing rank
+    assert "either it is not saving, or it is late" in facts[1]["guard"]  # rank 1 cannot tell which
     for rank in range(2):
         assert "trainer.save_checkpoint() on every rank" in facts[rank]["guard"]
+    assert facts[0]["late_rank_0_state"] == ["param_groups", "state"]  # consolidated on rank 0 only
+    assert facts[1]["late_rank_0_state"] == []
 
 
 def _add_param_group(rank: int, world_size: int) -> None:
