@@ -197,6 +197,11 @@ def _divergence_error(
                 " step different numbers of times or on overlapping data. Give every rank the same kind of loader,"
                 " with the same kind of sampler, in the same order."
             )
+    if known.declared_length == NOT_DEALT and (reference is None or other is None):
+        return RuntimeError(
+            f"the ranks are out of step: rank 0 and rank {rank} compare different loaders here (they build different"
+            " numbers or kinds of loaders). Give every rank the same loaders, in the same order."
+        )
     if reference is None or other is None:
         what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
     elif other.declared_length != reference.declared_length:

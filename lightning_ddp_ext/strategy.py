@@ -62,6 +62,9 @@ _CONFIGURE_DDP_CONTRACT = (
     " instead, as Lightning's later argument-less configure_ddp(self) does, is not enough)."
 )
 _requires_grad = attrgetter("requires_grad")
+# Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
+# `CustomDDP._average_gradients_left_behind`); any other takes the parameter's dtype.
+_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -380,6 +383,10 @@ class CustomDDP(DDPStrategy):
         getattr(old, "_remove_autograd_hooks", lambda: None)()
         for handle in getattr(old, "_accum_grad_hooks", ()):
             handle.remove()
+        # Before the old wrapper goes: should a collective here fail, the model is still wrapped.
+        self._average_gradients_left_behind(
+            [p for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
+        )
         for state in _compat.comm_hook_states(old, self):
             self._restart_per_bucket_state(state)
         module = old.module
@@ -388,10 +395,6 @@ class CustomDDP(DDPStrategy):
         del old
         if retired() is not None:  # kept alive by a reference cycle: free its buckets (a wrapper's worth of
             gc.collect()  # gradient memory) now, before the new ones are allocated, not at some later step
-        # after freeing the old buckets: the flat copies of the gradients take their place
-        self._average_gradients_left_behind(
-            [p for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
-        )
         self._wrap_lightning_model()
         if self.model is module:
             raise RuntimeError(
@@ -472,33 +475,51 @@ class CustomDDP(DDPStrategy):
         zeroes gradients later, inside the step's closure; averaging them again leaves them as they are, up to
         rounding), or local sums of a ``no_sync`` window. With ``find_unused_parameters=True`` and data-dependent
         routing such a local sum can exist on some ranks only: the others take zeros, as DDP's own reduction
-        does for a parameter unused on a rank. Where no rank has a gradient it stays None. Costs one all-reduce
-        of a mask, then one per (dtype, device) of the gradients, in a flat buffer (sparse ones one by one), a
-        copy of those gradients for the time of the all-reduce.
+        does for a parameter unused on a rank (of the dtype and layout, sparse or not, of the ranks that hold one).
+        Where no rank has a gradient it stays None. Costs two all-reduces of small integer tensors, then one per
+        (dtype, device) of the gradients, in a flat buffer (sparse ones one by one: gloo only, NCCL has no
+        sparse all-reduce), and a copy of those gradients for the time of the all-reduce.
         """
         if not frozen:
             return
         group = self.data_parallel_group
         world = dist.get_world_size(group)
-        held = torch.tensor([p.grad is not None for p in frozen], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(held, group=group)  # how many ranks hold each one
+        device = self.root_device
+        # Agree per parameter on how many ranks hold a gradient, whether any holds a sparse one, and its dtype
+        # (a parameter's gradient dtype may differ from its own, torch's grad_dtype): a rank that holds none makes
+        # zeros of that layout and dtype, so that every rank enters the same all-reduces.
+        grads = [p.grad for p in frozen]
+        holders = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=device)
+        kinds = torch.tensor(  # the dtype's place in _GRAD_DTYPES + 1, and the sparse dimensions (0: dense)
+            [
+                [_GRAD_DTYPES.index(g.dtype) + 1 if g is not None and g.dtype in _GRAD_DTYPES else 0 for g in grads],
+                [g.sparse_dim() if g is not None and g.is_sparse else 0 for g in grads],
+            ],
+            dtype=torch.int32,
+            device=device,
+        )
+        dist.all_reduce(holders, group=group)
+        dist.all_reduce(kinds, op=dist.ReduceOp.MAX, group=group)
         flat: Dict[tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
-        for parameter, holders in zip(frozen, held.tolist()):
-            if holders == 0:
+        for parameter, held_by, kind, sparse_dim in zip(frozen, holders.tolist(), *kinds.tolist()):
+            if held_by == 0:
                 continue
             if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
+                dtype = _GRAD_DTYPES[kind - 1] if kind else parameter.dtype
+                parameter.grad = torch.zeros_like(parameter, dtype=dtype)
+            if sparse_dim and not parameter.grad.is_sparse:
+                parameter.grad = parameter.grad.to_sparse(sparse_dim)
             grad = parameter.grad
             if grad.is_sparse:
                 dist.all_reduce(grad, group=group)
                 grad.div_(world)
             else:
                 flat.setdefault((grad.dtype, grad.device), []).append(grad)
-        for grads in flat.values():
-            buffer = torch.cat([grad.reshape(-1) for grad in grads])
+        for same_kind in flat.values():
+            buffer = torch.cat([grad.reshape(-1) for grad in same_kind])
             dist.all_reduce(buffer, group=group)
             buffer.div_(world)
-            for grad, averaged in zip(grads, buffer.split([grad.numel() for grad in grads])):
+            for grad, averaged in zip(same_kind, buffer.split([grad.numel() for grad in same_kind])):
                 grad.copy_(averaged.view_as(grad))
 
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]

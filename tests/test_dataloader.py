@@ -22,8 +22,14 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_ddp_ext import dataloader, patch_dataloader_to_ddp
-from lightning_ddp_ext.consistency import report_failure, verify_same_sequence
+from lightning_ddp_ext import consistency, dataloader, patch_dataloader_to_ddp
+from lightning_ddp_ext.consistency import (
+    NOT_DEALT,
+    NOT_DEALT_SOURCE,
+    SequenceDigest,
+    report_failure,
+    verify_same_sequence,
+)
 from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
 
@@ -299,6 +305,14 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
         except RuntimeError as error:
             errors[name] = str(error)
     return gathered, errors
+
+
+def test_a_rank_out_of_step_with_a_loader_that_is_not_dealt_is_told_so() -> None:
+    """One rank in a loader's length check, another in an epoch's digest check (ranks with different loaders)."""
+    not_dealt = SequenceDigest(NOT_DEALT_SOURCE, -1, NOT_DEALT, 0, 0)
+    for pair in ((None, not_dealt), (not_dealt, None)):
+        message = str(consistency._divergence_error(*pair, 1))
+        assert message.startswith("the ranks are out of step: rank 0 and rank 1 compare different loaders"), message
 
 
 def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:

@@ -270,6 +270,31 @@ def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
     return errors
 
 
+def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
+    """On a real gloo group: frozen gradients held on rank 0 only, one of them sparse, one held nowhere."""
+    embedding = torch.nn.Embedding(4, 2, sparse=True)
+    dense, nowhere = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    if rank == 0:
+        embedding(torch.tensor([1, 1])).sum().backward()  # sparse gradient: 2 on row 1
+        dense.grad = torch.full((3,), 2.0)
+    strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
+    strategy._average_gradients_left_behind([embedding.weight, dense, nowhere])
+    return {
+        "sparse": embedding.weight.grad.is_sparse,
+        "embedding": embedding.weight.grad.to_dense().tolist(),
+        "dense": dense.grad.tolist(),
+        "nowhere": nowhere.grad,
+    }
+
+
+def test_gradients_of_newly_frozen_parameters_held_on_some_ranks_only_are_averaged() -> None:
+    """The ranks without one take zeros of the same layout (sparse here) and enter the same all-reduces."""
+    for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
+        assert result == {
+            "sparse": True, "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]], "dense": [1.0] * 3, "nowhere": None
+        }, (rank, result)
+
+
 def test_ranks_that_froze_different_parameters_are_told_which() -> None:
     """The error names the parameter, on every rank."""
     for rank, (same, different) in enumerate(run_distributed(_agree_on_flags, 2)):
