@@ -128,6 +128,22 @@ def loaders_by_kind(seed: Optional[int] = 0) -> Dict[str, DataLoader]:
     }
 
 
+class BackboneAndHead(pl.LightningModule):
+    """A backbone (8 -> 16 -> 4) and a head (4 -> 1), seeded alike in every process, trained on MSE: the model of
+    the fine-tuning tests, which freeze and unfreeze its parts."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.head = torch.nn.Linear(4, 1)
+        self.out_dir = out_dir
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+
 class Recorder(pl.LightningModule):
     """Records, per rank, the dataset indices of every batch of every loader, and writes them on teardown."""
 

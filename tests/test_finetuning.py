@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import BaseFinetuning
 from packaging.version import Version
 from distributed_helpers import run_distributed
-from scenarios import TEST_PG_TIMEOUT, trainer_kwargs
+from scenarios import TEST_PG_TIMEOUT, BackboneAndHead, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.utils.data import DataLoader, Dataset
@@ -62,19 +62,8 @@ class Points(Dataset):
         return self.x[index], self.y[index]
 
 
-class FineTuned(pl.LightningModule):
+class FineTuned(BackboneAndHead):
     """A backbone and a head; each rank saves its weights and what its strategy recorded to ``rank<R>.pt``."""
-
-    def __init__(self, out_dir: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        self.head = torch.nn.Linear(4, 1)
-        self.out_dir = out_dir
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port
-from scenarios import PKBatches, labels_for, trainer_kwargs
+from scenarios import BackboneAndHead, PKBatches, labels_for, trainer_kwargs
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ddp_ext import CustomDDP, CustomDDPSharded
@@ -366,19 +366,8 @@ def test_bf16_mixed_clips_the_global_norm(tmp_path: Path) -> None:
     assert_same_weights(reports[1]["weights"], reports[0]["weights"], atol=0, buffers=False)
 
 
-class FineTuned(pl.LightningModule):
+class FineTuned(BackboneAndHead):
     """A backbone frozen at first and a head; rank 0 saves the final weights to ``<out_dir>/weights.pt``."""
-
-    def __init__(self, out_dir: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        self.head = torch.nn.Linear(4, 1)
-        self.out_dir = out_dir
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
