@@ -284,7 +284,8 @@ def comm_hook_states(wrapper: object, strategy: "DDPStrategy") -> List[object]:
     hooks = getattr(wrapper, "_comm_hooks", None)
     if isinstance(hooks, list):
         return [state for _, state in hooks]
-    return [state for state in (strategy._ddp_comm_state,) if state is not None]
+    state = comm_hook_arguments(strategy)[0]
+    return [] if state is None else [state]
 
 
 def restart_static_graph_delay(strategy: "DDPStrategy") -> None:

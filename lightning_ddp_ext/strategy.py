@@ -10,6 +10,7 @@ import gc
 import inspect
 import logging
 import os
+import weakref
 import zlib
 from contextlib import contextmanager, nullcontext
 from operator import attrgetter
@@ -340,13 +341,12 @@ class CustomDDP(DDPStrategy):
         wrappers are left to handle such changes themselves.
         """
         super().on_train_batch_start(batch, batch_idx)
-        if (
-            isinstance(self.model, DistributedDataParallel)
-            and list(map(_requires_grad, self._wrapped_parameters)) != self._wrapped_requires_grad
-        ):
-            self._rewrap_for_changed_requires_grad()
+        if isinstance(self.model, DistributedDataParallel):
+            now = list(map(_requires_grad, self._wrapped_parameters))
+            if now != self._wrapped_requires_grad:
+                self._rewrap_for_changed_requires_grad(now)
 
-    def _rewrap_for_changed_requires_grad(self) -> None:
+    def _rewrap_for_changed_requires_grad(self, now: List[bool]) -> None:
         """Wrap the module again through :meth:`configure_ddp` (the user's override), after retiring the old wrapper.
 
         Every rank must get here at the same batch: the DDP constructor is a collective (it checks the
@@ -368,12 +368,9 @@ class CustomDDP(DDPStrategy):
         (``ddp_comm_hook``, or whatever ``configure_ddp`` registers); PowerSGD's per-bucket error feedback and
         low-rank memories are cleared first (:meth:`_restart_per_bucket_state`), as the buckets change.
         """
-        import weakref
-
         old = self.model
         assert isinstance(old, DistributedDataParallel)
         before = self._wrapped_requires_grad
-        now = list(map(_requires_grad, self._wrapped_parameters))
         self._agree_on_requires_grad(now)
         cuda = self.root_device.type == "cuda"
         if cuda:  # the old wrapper's reduction and the optimizer step are done before rank 0's parameters go out
@@ -648,7 +645,7 @@ class CustomDDP(DDPStrategy):
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
         training = stage == RunningStage.TRAINING
         try:
-            patched, empty = self._patch(dataloader, training)
+            patched = self._patch(dataloader, training)
             if patched is not None:
                 source, length = _dealt_source(patched)
             else:
@@ -668,7 +665,7 @@ class CustomDDP(DDPStrategy):
         wrapper = _wrapper_of(patched)
         if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
-        if empty:
+        if patched is dataloader:  # an empty split: nothing was dealt
             return patched
         if wrapper is not None and not training and not wrapper.even_shares:
             self._refuse_rank_without_batches(patched, wrapper, stage)
@@ -676,11 +673,11 @@ class CustomDDP(DDPStrategy):
             self._prepare_first_epoch(patched, trainer)
         return patched
 
-    def _patch(self, dataloader: object, training: bool) -> tuple[Optional[DataLoader], bool]:
-        """``dataloader`` dealt for this rank, and whether it is empty (then it is ``dataloader`` itself); None for
-        a loader that is not dealt: not a DataLoader, an IterableDataset, or a loader its user sharded."""
+    def _patch(self, dataloader: object, training: bool) -> Optional[DataLoader]:
+        """``dataloader`` dealt for this rank (``dataloader`` itself when it is an empty split); None for a loader
+        that is not dealt: not a DataLoader, an IterableDataset, or a loader its user sharded."""
         if not isinstance(dataloader, DataLoader):
-            return None, False
+            return None
         options = self.sharding_options(training)
         default = uses_default_sampler(dataloader)
         # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
@@ -691,13 +688,13 @@ class CustomDDP(DDPStrategy):
             # we keep the user's choice): the batch shuffle and its window are for custom samplers.
             options.update(shuffle=None, shuffle_window=None)
         if empty:
-            return dataloader, True
+            return dataloader
         patched = patch_dataloader_to_ddp(dataloader, **options)
         if patched is dataloader:
-            return None, False
+            return None
         if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
             patched = _compat.rebuild_dataloader(dataloader, patched)
-        return patched, False
+        return patched
 
     def _refuse_rank_without_batches(self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage]) -> None:
         """Raise, on every rank alike, when an exact deal leaves some rank with no evaluation batch.
