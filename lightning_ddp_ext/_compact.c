@@ -836,6 +836,12 @@ static struct PyModuleDef compact_module = {
     PyModuleDef_HEAD_INIT, "_compact", "Optional C helpers of the samplers (see _compact.c).", 0, compact_functions,
 };
 
+/* SHA-256 of this file (CRLF read as LF), defined by setup.py: _store.py sets a helper built from other sources
+ * aside. A build that does not define it records an empty digest, which never matches. */
+#ifndef SOURCE_DIGEST
+#define SOURCE_DIGEST ""
+#endif
+
 PyMODINIT_FUNC
 PyInit__compact(void)
 {
@@ -845,7 +851,8 @@ PyInit__compact(void)
     PyObject *module = PyModule_Create(&compact_module);
     if (module != NULL
         && (PyModule_AddType(module, &StoreType) < 0
-            || PyModule_AddType(module, &WindowDealerType) < 0)) {
+            || PyModule_AddType(module, &WindowDealerType) < 0
+            || PyModule_AddStringConstant(module, "SOURCE_DIGEST", SOURCE_DIGEST) < 0)) {
         Py_CLEAR(module);
     }
     return module;

@@ -16,18 +16,49 @@ converter as the pure-Python path, so both paths store the same indices and rais
 """
 from __future__ import annotations
 
+import hashlib
 import operator
+import warnings
 from array import array
 from itertools import accumulate, chain, compress, islice
 from operator import length_hint
-from typing import Any, Callable, Iterable, Iterator, List, Tuple
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-try:
-    from lightning_ddp_ext import _compact
-except ImportError:  # not built (no compiler at install time): the pure-Python path does the same, slower
-    _compact = None  # type: ignore[assignment]
+
+
+def source_digest(source: Path) -> str:
+    """SHA-256 of the C helper's source, line endings as LF: what setup.py records in the module it builds."""
+    return hashlib.sha256(source.read_bytes().replace(b"\r\n", b"\n")).hexdigest()
+
+
+def _load_helper() -> Optional[ModuleType]:
+    """The C helper, or None where it is not built or was built from other sources than the ones beside it.
+
+    An editable install keeps the module built in place; pulling newer sources without rebuilding would call
+    an old helper with new arguments (or miss a function). Such a helper is set aside, with a warning that says
+    how to rebuild: the pure-Python path computes the same, slower."""
+    try:
+        from lightning_ddp_ext import _compact as helper
+    except ImportError:  # not built (no compiler at install time): the pure-Python path does the same, slower
+        return None
+    source = Path(__file__).with_name("_compact.c")
+    if source.is_file() and getattr(helper, "SOURCE_DIGEST", None) != source_digest(source):
+        warnings.warn(
+            f"lightning_ddp_ext's C helper {helper.__file__} was built from other sources than {source}, so it is"
+            " not used (the samplers run on their slower pure-Python path). Rebuild it: `pip install -e .` in"
+            " an editable checkout, or reinstall lightning_ddp_ext.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return helper
+
+
+_compact = _load_helper()
 
 # Batches the C helper rebuilds per call: enough to amortise the call, few enough to stay in the caches.
 _REBUILD_BLOCK = 64

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from pathlib import Path
 from itertools import chain
 from typing import Any, Iterator, List, Optional
 
@@ -37,6 +38,28 @@ def stored(store: CompactStore) -> List[Any]:
 
 
 NO_SAMPLES = np.zeros(0, dtype=np.int64)  # a WindowDealer's sample_windows when nothing is sampled
+
+
+def test_the_helper_records_the_digest_of_the_sources_it_was_built_from() -> None:
+    """setup.py passes the digest of _compact.c to the build: the helper in use must carry that of the file beside
+    it (else _load_helper sets it aside and every test of the compiled path silently runs the Python one)."""
+    helper = pytest.importorskip("lightning_ddp_ext._compact")
+    assert helper.SOURCE_DIGEST == _store.source_digest(Path(_store.__file__).with_name("_compact.c"))
+    assert _store._compact is helper
+
+
+@pytest.mark.parametrize("recorded", ["0" * 64, None], ids=["other sources", "no digest (an older build)"])
+def test_a_helper_built_from_other_sources_is_set_aside_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, recorded: Optional[str]
+) -> None:
+    helper = pytest.importorskip("lightning_ddp_ext._compact")
+    if recorded is None:
+        monkeypatch.delattr(helper, "SOURCE_DIGEST")
+    else:
+        monkeypatch.setattr(helper, "SOURCE_DIGEST", recorded)
+    with pytest.warns(RuntimeWarning, match=r"was built from other sources than .*_compact\.c, so it is not used .*"
+                      r"Rebuild it: `pip install -e \.`"):
+        assert _store._load_helper() is None
 
 
 def as_ints(item: Any) -> Any:
