@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 import zlib
+from itertools import chain
 from contextlib import contextmanager, nullcontext
 from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Optional, Union
@@ -64,7 +65,10 @@ _CONFIGURE_DDP_CONTRACT = (
 )
 _requires_grad = attrgetter("requires_grad")
 # Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
-# `CustomDDP._average_gradients_left_behind`); any other takes the parameter's dtype.
+# `CustomDDP._average_held_gradients`); any other takes the parameter's dtype.
+# Gradients averaged at a re-wrap go through flat buffers of at most this size (DDP's default bucket size):
+# the buffer is a copy, made while the old wrapper's buckets still exist.
+_AVERAGE_BUFFER_BYTES = 25 * 2**20
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
 
 
@@ -357,9 +361,15 @@ class CustomDDP(DDPStrategy):
         cannot be detected without a collective at every step: the re-wrapping ranks' collectives then meet the
         others' gradient all-reduce, which fails or runs into the process group's ``timeout``.
 
-        Gradients accumulated under ``no_sync`` before the re-wrap stay in ``.grad`` and are all-reduced, as
-        part of the sum, at the next synchronising step by the new wrapper. Those of newly frozen parameters,
-        which the new wrapper does not reduce, are averaged here (:meth:`_average_gradients_left_behind`).
+        Gradients held when it happens (local sums of a ``no_sync`` window, or the last step's, already
+        averaged) are averaged here (:meth:`_average_held_gradients`): the new wrapper does not reduce those of
+        newly frozen parameters, and with ``find_unused_parameters=True`` it would take a parameter used only
+        before the re-wrap for unused by every rank and leave each rank its local sum (stock DDP remembers
+        which parameters a ``no_sync`` window used; a new wrapper starts without that record). Averaged, the new
+        wrapper's sum at the window's end averages to the same as on one process.
+
+        DDP's experimental ``mixed_precision`` argument is refused: the forward hooks it adds to every submodule
+        cannot be removed from the old wrapper.
 
         Parameters are equal on all ranks here; buffers need not be (BatchNorm's running statistics follow each
         rank's batches). The new wrapper broadcasts rank 0's parameters and, unless ``broadcast_buffers=False``,
@@ -370,20 +380,25 @@ class CustomDDP(DDPStrategy):
         """
         old = self.model
         assert isinstance(old, DistributedDataParallel)
+        if getattr(old, "mixed_precision", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameters were frozen or unfrozen after the model was wrapped with"
+                " DistributedDataParallel's experimental mixed_precision argument, whose forward hooks cannot be"
+                " removed to wrap it again. Drop mixed_precision (Lightning's precision='bf16-mixed' or"
+                " '16-mixed' does the same job), or change requires_grad before the fit starts."
+            )
         before = self._wrapped_requires_grad
         self._agree_on_requires_grad(now)
         cuda = self.root_device.type == "cuda"
         if cuda:  # the old wrapper's reduction and the optimizer step are done before rank 0's parameters go out
             torch.cuda.synchronize(self.root_device)
+        # While the old wrapper still works: should a collective here fail, the model is still wrapped.
+        self._average_held_gradients([p for p, was in zip(self._wrapped_parameters, before) if was])
         # Its hooks stay on the parameters' gradient accumulators until the reducer is freed (a reference
         # cycle may keep it alive); a hook left behind would reduce into the old buckets.
         getattr(old, "_remove_autograd_hooks", lambda: None)()
         for handle in getattr(old, "_accum_grad_hooks", ()):
             handle.remove()
-        # Before the old wrapper goes: should a collective here fail, the model is still wrapped.
-        self._average_gradients_left_behind(
-            [p for p, was, does in zip(self._wrapped_parameters, before, now) if was and not does]
-        )
         for state in _compat.comm_hook_states(old, self):
             self._restart_per_bucket_state(state)
         module = old.module
@@ -464,42 +479,43 @@ class CustomDDP(DDPStrategy):
             if state.use_error_feedback or state.warm_start:
                 state.start_powerSGD_iter = max(state.start_powerSGD_iter, state.iter + 1)
 
-    def _average_gradients_left_behind(self, frozen: List[Parameter]) -> None:
-        """Average across ranks the gradients that parameters frozen since the last wrap still hold.
+    def _average_held_gradients(self, parameters: List[Parameter]) -> None:
+        """Average across ranks the gradients that ``parameters`` hold (those the old wrapper reduced).
 
-        The new wrapper does not reduce them, but the optimizer still steps a frozen parameter that has a
-        gradient, as on one process. They are the last step's, already averaged by the old wrapper (Lightning
-        zeroes gradients later, inside the step's closure; averaging them again leaves them as they are, up to
-        rounding), or local sums of a ``no_sync`` window. With ``find_unused_parameters=True`` and data-dependent
-        routing such a local sum can exist on some ranks only: the others take zeros, as DDP's own reduction
-        does for a parameter unused on a rank (of the dtype and layout, sparse or not, of the ranks that hold one).
-        Where no rank has a gradient it stays None. Costs two all-reduces of small integer tensors, then one per
-        (dtype, device) of the gradients, in a flat buffer (sparse ones one by one: gloo only, NCCL has no
-        sparse all-reduce), and a copy of those gradients for the time of the all-reduce.
+        They are the last step's, already averaged by the old wrapper (Lightning zeroes gradients later, inside
+        the step's closure; averaging them again leaves them as they are, up to rounding), or local sums of a
+        ``no_sync`` window: averaged, a newly frozen parameter's is what the optimizer steps on one process, and
+        the others' are what the new wrapper's reduction at the window's end adds to. With
+        ``find_unused_parameters=True`` and data-dependent routing a local sum can exist on some ranks only: the
+        others take zeros, as DDP's own reduction does for a parameter unused on a rank (of the dtype and
+        layout, sparse or not, of the ranks that hold one). Where no rank has a gradient it stays None. Costs
+        one all-reduce of a small integer tensor, then the gradients' all-reduces in flat buffers of one
+        (dtype, device) and at most ``_AVERAGE_BUFFER_BYTES`` each (sparse ones one by one: gloo only, NCCL has
+        no sparse all-reduce), each buffer a copy of its gradients for the time of its all-reduce.
         """
-        if not frozen:
+        if not parameters:
             return
         group = self.data_parallel_group
         world = dist.get_world_size(group)
         device = self.root_device
-        # Agree per parameter on how many ranks hold a gradient, whether any holds a sparse one, and its dtype
+        # Agree per parameter on whether any rank holds a gradient, whether any holds a sparse one, and its dtype
         # (a parameter's gradient dtype may differ from its own, torch's grad_dtype): a rank that holds none makes
         # zeros of that layout and dtype, so that every rank enters the same all-reduces.
-        grads = [p.grad for p in frozen]
-        holders = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=device)
-        kinds = torch.tensor(  # the dtype's place in _GRAD_DTYPES + 1, and the sparse dimensions (0: dense)
+        grads = [p.grad for p in parameters]
+        kinds = torch.tensor(  # held or not, the dtype's place in _GRAD_DTYPES + 1, the sparse dimensions (0: dense)
             [
+                [g is not None for g in grads],
                 [_GRAD_DTYPES.index(g.dtype) + 1 if g is not None and g.dtype in _GRAD_DTYPES else 0 for g in grads],
                 [g.sparse_dim() if g is not None and g.is_sparse else 0 for g in grads],
             ],
             dtype=torch.int32,
             device=device,
         )
-        dist.all_reduce(holders, group=group)
         dist.all_reduce(kinds, op=dist.ReduceOp.MAX, group=group)
-        flat: Dict[tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
-        for parameter, held_by, kind, sparse_dim in zip(frozen, holders.tolist(), *kinds.tolist()):
-            if held_by == 0:
+        flat: Dict[tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}  # buffers' gradients, per kind
+        flat_bytes: Dict[tuple[torch.dtype, torch.device], int] = {}  # the last buffer's size, per kind
+        for parameter, held, kind, sparse_dim in zip(parameters, *kinds.tolist()):
+            if not held:
                 continue
             if parameter.grad is None:
                 dtype = _GRAD_DTYPES[kind - 1] if kind else parameter.dtype
@@ -511,8 +527,14 @@ class CustomDDP(DDPStrategy):
                 dist.all_reduce(grad, group=group)
                 grad.div_(world)
             else:
-                flat.setdefault((grad.dtype, grad.device), []).append(grad)
-        for same_kind in flat.values():
+                key = (grad.dtype, grad.device)
+                filled = flat_bytes.get(key, 0)
+                if key not in flat or (filled and filled + grad.nbytes > _AVERAGE_BUFFER_BYTES):
+                    flat.setdefault(key, []).append([])
+                    filled = 0
+                flat[key][-1].append(grad)
+                flat_bytes[key] = filled + grad.nbytes
+        for same_kind in chain.from_iterable(flat.values()):
             buffer = torch.cat([grad.reshape(-1) for grad in same_kind])
             dist.all_reduce(buffer, group=group)
             buffer.div_(world)

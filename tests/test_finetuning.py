@@ -10,7 +10,9 @@ Three 2-rank spawn fits, two of them against a 1-process fit on the combined bat
 * the backbone joins at epoch 1; the head and an expert leave in the middle of an accumulation window of epoch 2
   (``accumulate_grad_batches=2``). The window's first gradient must be averaged across ranks, as Adam still
   steps them; with ``find_unused_parameters=True`` only rank 0's data goes through the expert, so only rank 0
-  holds its gradient. A ``configure_ddp`` override registers a counting comm hook (re-wrapping must go through
+  holds its gradient; an early expert, still trainable, is reached only in the window's first micro-batch, before
+  the re-wrap, on rank 0 (stock DDP remembers that across ``no_sync``; a new wrapper does not, so the strategy
+  averages every held gradient at the re-wrap). A ``configure_ddp`` override registers a counting comm hook (re-wrapping must go through
   the override, and ``no_sync`` must still skip the accumulating steps);
 * the same schedule, without accumulation, with manual optimization and ``static_graph=True`` (Lightning
   flushes the first static-graph iteration of each new wrapper);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from unittest.mock import patch
 from typing import Any, Dict, List, Optional
 
 import lightning
@@ -38,6 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ddp_ext import CustomDDP, _compat
+from lightning_ddp_ext import strategy as strategy_module
 
 pytestmark = pytest.mark.usefixtures("spawn_job")
 
@@ -53,6 +57,7 @@ class Points(Dataset):
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(size, 8, generator=generator)
         self.x[:, 7] = 1.0 - 2.0 * (torch.arange(size) % 2)
+        self.x[0, 6] = 10.0  # item 0, in rank 0's first batch of every epoch, alone reaches Routed's early expert
         self.y = self.x[:, :1] * 2 - self.x[:, 1:2] + 0.1 * torch.randn(size, 1, generator=generator)
 
     def __len__(self) -> int:
@@ -77,11 +82,14 @@ class FineTuned(BackboneAndHead):
 
 class Routed(FineTuned):
     """With an expert that only samples whose last feature is positive go through (a mixture of experts, a
-    conditional head): rank 0's, all of them, and none of rank 1's."""
+    conditional head): rank 0's, all of them, and none of rank 1's; and an early expert that only item 0 goes
+    through: the first micro-batch of each epoch, on rank 0, so none after the re-wrap inside epoch 2's first
+    window (the new wrapper, which did not see that micro-batch, finds it unused by every rank)."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__(out_dir)
         self.expert = torch.nn.Linear(4, 1)
+        self.early_expert = torch.nn.Linear(4, 1)
         self.expert_gradient_held: Optional[bool] = None  # when it was frozen (see Finetuning)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -91,6 +99,9 @@ class Routed(FineTuned):
         routed = x[:, 7:] > 0
         if routed.any():  # a batch without routed samples leaves the expert out of the graph: no gradient at all
             prediction = prediction + routed * self.expert(features)
+        early = x[:, 6:7] > 5
+        if early.any():
+            prediction = prediction + early * self.early_expert(features)
         return torch.nn.functional.mse_loss(prediction, y)
 
     def report(self) -> Dict[str, Any]:
@@ -165,16 +176,19 @@ def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(tmp_p
     """Fails without re-wrapping: the backbone's gradients stay per rank from epoch 1, so the ranks' backbones
     differ, and differ from the 1-process run's. Fails too when the ranks compare whether they hold gradients of
     the newly frozen parameters (a false "differ between ranks" error: only rank 0 holds the expert's), and when
-    rank 1 does not take zeros for the expert's gradient (the ranks' all-reduces no longer match)."""
+    rank 1 does not take zeros for the expert's gradient (the ranks' all-reduces no longer match), and when only
+    the newly frozen parameters' gradients are averaged at the re-wrap: the early expert's local sum from the
+    window's first micro-batch then stays on rank 0 alone, and only rank 0 steps it."""
     strategy = RecordingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, find_unused_parameters=True)
     ranks = fit_as_one_process(tmp_path, strategy, Routed)
     assert [report["expert_gradient_held"] for report in ranks] == [True, False]
 
-    # Wrapped 3 times through the override: head and expert (4 tensors), + backbone (8), backbone only (4); each
+    # Wrapped 3 times through the override: head and experts (6 tensors), + backbone (10), backbone and early
+    # expert (6); each
     # wrapper's comm hook reduced once per optimizer step it ended (2 each: no_sync skipped the accumulating
     # micro-batches, the one before the last re-wrap included).
     for report in ranks:
-        assert report["wraps"] == [{"trainable": n, "rounds": 2} for n in (4, 8, 4)], report["wraps"]
+        assert report["wraps"] == [{"trainable": n, "rounds": 2} for n in (6, 10, 6)], report["wraps"]
 
 
 class ManualFineTuned(FineTuned):
@@ -260,27 +274,43 @@ def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
 
 
 def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
-    """On a real gloo group: frozen gradients held on rank 0 only, one of them sparse, one held nowhere."""
+    """On a real gloo group: gradients held on rank 0 only, one of them sparse, one of another dtype than its
+    parameter's (torch's grad_dtype), one held nowhere; and one held on both ranks, in several buffers."""
     embedding = torch.nn.Embedding(4, 2, sparse=True)
     dense, nowhere = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    half.grad_dtype = torch.float32  # type: ignore[attr-defined]
+    both = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    for number, parameter in enumerate(both):
+        parameter.grad = torch.full((2,), 2.0 * rank + number)
     if rank == 0:
         embedding(torch.tensor([1, 1])).sum().backward()  # sparse gradient: 2 on row 1
         dense.grad = torch.full((3,), 2.0)
+        half.grad = torch.full((3,), 2.0)  # a float32 gradient: without the agreement rank 1 makes bf16 zeros
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
-    strategy._average_gradients_left_behind([embedding.weight, dense, nowhere])
+    with patch.object(strategy_module, "_AVERAGE_BUFFER_BYTES", 16):  # two of `both` per flat buffer
+        strategy._average_held_gradients([embedding.weight, dense, nowhere, half, *both])
     return {
         "sparse": embedding.weight.grad.is_sparse,
         "embedding": embedding.weight.grad.to_dense().tolist(),
         "dense": dense.grad.tolist(),
         "nowhere": nowhere.grad,
+        "half": (half.grad.dtype, half.grad.tolist()),
+        "both": [parameter.grad.tolist() for parameter in both],
     }
 
 
-def test_gradients_of_newly_frozen_parameters_held_on_some_ranks_only_are_averaged() -> None:
-    """The ranks without one take zeros of the same layout (sparse here) and enter the same all-reduces."""
+def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
+    """The ranks without one take zeros of the same layout (sparse here) and dtype, and enter the same
+    all-reduces."""
     for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
         assert result == {
-            "sparse": True, "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]], "dense": [1.0] * 3, "nowhere": None
+            "sparse": True,
+            "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]],
+            "dense": [1.0] * 3,
+            "nowhere": None,
+            "half": (torch.float32, [1.0] * 3),
+            "both": [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]],
         }, (rank, result)
 
 
@@ -291,3 +321,30 @@ def test_ranks_that_froze_different_parameters_are_told_which() -> None:
         assert different is not None, rank
         message = r"backbone\.2\.bias requires grad on rank\(s\) \[0\] but not on rank\(s\) \[1\] .*: \{0: 6, 1: 5\}"
         assert re.search(message, different), (rank, different)
+
+
+def _rewrap_mixed_precision(rank: int, world_size: int) -> Optional[str]:
+    """On a real gloo group: a model wrapped with DDP's experimental mixed_precision, whose flags then change."""
+    from torch.nn.parallel.distributed import DistributedDataParallel, _MixedPrecision
+
+    module = torch.nn.Linear(2, 2)
+    strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
+    strategy.model = DistributedDataParallel(module, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    strategy._wrapped_parameters = list(module.parameters())
+    strategy._wrapped_requires_grad = [True, True]
+    module.bias.requires_grad_(False)
+    try:
+        strategy._rewrap_for_changed_requires_grad([True, False])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_model_wrapped_with_ddp_mixed_precision_is_not_wrapped_again() -> None:
+    """Its forward hooks on every submodule cannot be removed: the old wrapper would keep casting (and stay
+    alive) beside the new one. The error says what to use instead."""
+    for message in run_distributed(_rewrap_mixed_precision, 2, timeout=60):
+        assert message is not None and re.search(
+            r"experimental mixed_precision argument, whose forward hooks cannot be removed.*precision='bf16-mixed'",
+            message,
+        ), message
