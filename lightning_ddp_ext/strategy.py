@@ -6,6 +6,7 @@ Lightning access in ``_compat``.
 from __future__ import annotations
 
 import atexit
+import difflib
 import gc
 import inspect
 import logging
@@ -64,12 +65,37 @@ _CONFIGURE_DDP_CONTRACT = (
     " instead, as Lightning's later argument-less configure_ddp(self) does, is not enough)."
 )
 _requires_grad = attrgetter("requires_grad")
-# Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
-# `CustomDDP._average_held_gradients`); any other takes the parameter's dtype.
 # Gradients averaged at a re-wrap go through flat buffers of at most this size (DDP's default bucket size):
 # the buffer is a copy, made while the old wrapper's buckets still exist.
 _AVERAGE_BUFFER_BYTES = 25 * 2**20
+# Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
+# `CustomDDP._average_held_gradients`); any other takes the parameter's dtype.
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
+
+
+def _refuse_keywords_ddp_does_not_take(kwargs: Dict[str, Any], owner: str) -> None:
+    """Raise TypeError, naming the closest keyword, for one that torch's DistributedDataParallel does not take.
+
+    The strategy hands the keywords it does not take itself to the model wrapper, which would raise only when
+    the model is wrapped, in every rank, after the processes were started and the data set up."""
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+    for name in kwargs:
+        if name in ("module", "device_ids"):
+            raise TypeError(
+                f"{owner} got {name}=..., which the strategy sets itself when it wraps the model (the module being"
+                " trained, and the device of each rank, from the Trainer's accelerator and devices): leave it out."
+            )
+        if name not in accepted:
+            known = accepted | set(inspect.signature(CustomDDP.__init__).parameters)
+            known |= set(inspect.signature(DDPStrategy.__init__).parameters)
+            close = difflib.get_close_matches(name, sorted(known - {"self", "kwargs", "module", "device_ids"}), n=1)
+            raise TypeError(
+                f"{owner} got an unexpected keyword argument {name!r}."
+                + (f" Did you mean {close[0]!r}?" if close else "")
+                + " Keywords that neither the strategy nor Lightning's DDPStrategy take go to torch's"
+                " DistributedDataParallel, which does not take it either. (An override of configure_ddp may take"
+                " keywords of its own from self.ddp_kwargs.)"
+            )
 
 
 def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
@@ -191,6 +217,8 @@ class CustomDDP(DDPStrategy):
         if seed is not None:
             _check_seed(seed, type(self).__name__)
         super().__init__(**kwargs)
+        if type(self).configure_ddp is CustomDDP.configure_ddp:  # an override may take keywords of its own
+            _refuse_keywords_ddp_does_not_take(self.ddp_kwargs, type(self).__name__)
         self.eval_mode = eval_mode
         self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
         self.shuffle_window = shuffle_window

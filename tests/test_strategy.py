@@ -216,6 +216,26 @@ def test_configure_ddp_overrides_that_return_a_module_are_accepted(strategy_clas
     assert trainer.global_step == 2
 
 
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"find_unused_paramters": True}, "unexpected keyword argument 'find_unused_paramters'. Did you mean"
+         " 'find_unused_parameters'?"),
+        ({"start_methd": "spawn"}, "unexpected keyword argument 'start_methd'. Did you mean 'start_method'?"),
+        ({"device_ids": [0]}, "got device_ids=..., which the strategy sets itself"),
+    ],
+)
+def test_keywords_the_model_wrapper_does_not_take_are_refused_at_construction(
+    kwargs: Dict[str, Any], words: str
+) -> None:
+    """Before launch, not when each rank wraps its model; an override of configure_ddp may take its own."""
+    with pytest.raises(TypeError) as raised:
+        CustomDDP(**kwargs)
+    assert words in str(raised.value), str(raised.value)
+    UnwrappedOnOneRankDDP(find_unused_paramters=True)  # its configure_ddp decides what its keywords mean
+    CustomDDP(find_unused_parameters=True, static_graph=True, bucket_cap_mb=10, gradient_as_bucket_view=True)
+
+
 def test_returning_the_model_itself_on_several_ranks_warns() -> None:
     """It may synchronise by itself (torch's composable replicate()), so a warning, not an error."""
     from lightning.fabric.plugins.environments import LightningEnvironment
