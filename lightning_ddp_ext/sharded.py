@@ -379,7 +379,11 @@ def _sharded_data_parallel_class() -> type:
         (manual optimization with two optimizers, GAN style) reduced only the parameters the first had not, and
         queued no wait for those reductions: the second optimizer stepped on unreduced gradients, without an
         error. Here SDP's end-of-backward callback (``_flush_reduce_calls``, which waits for the reductions)
-        marks the backward pass done, and the first gradient of the next backward pass arms the reduction again.
+        marks the backward pass done, and the first gradient of the next backward pass arms the reduction again,
+        if the strategy runs it (``reduce_every_backward``, set by ``CustomDDPSharded.backward``: Lightning's
+        ``manual_backward`` and automatic optimization). Any other backward pass reaching the parameters (one in
+        ``validation_step``, one on the bare module after ``fit``) stays local, as with fairscale's wrapper;
+        reducing it would make ranks that run different numbers of them wait for each other.
         Within one backward pass a parameter is reduced at its first gradient only: one used both inside and
         outside a reentrant ``checkpoint`` segment (a nested backward pass) gets a wrong gradient, as with
         fairscale's wrapper (non-reentrant checkpointing is fine).
@@ -398,6 +402,7 @@ def _sharded_data_parallel_class() -> type:
             super().__init__(*args, **kwargs)
             self._group_size = dist.get_world_size(self._process_group)
             self._backward_done = False  # set at the end of a backward pass that reduced gradients
+            self.reduce_every_backward = False  # set by the strategy around the backward passes it runs
             self._holding_reduced: set = set()  # parameters whose gradient here is the reduced one
             self._accumulation_hooks: List[Any] = []
 
@@ -419,7 +424,7 @@ def _sharded_data_parallel_class() -> type:
         def _before_accumulating(self, param: torch.Tensor) -> Any:
             # No torch.no_grad(): autograd runs hooks with grad mode off (SDP refuses create_graph gradients).
             def hook(grad_outputs: Any) -> None:
-                if param in self._holding_reduced:
+                if self.reduce_every_backward and param in self._holding_reduced:
                     self._holding_reduced.discard(param)
                     if param.grad is not None:
                         param.grad.mul_(self._group_size)
@@ -431,7 +436,7 @@ def _sharded_data_parallel_class() -> type:
             reduce = super()._get_reduce_fn(index, param, dst_rank)
 
             def rearm_then_reduce(*args: Any) -> None:
-                if self._backward_done:  # the first gradient of a new backward pass: reduce again
+                if self._backward_done and self.reduce_every_backward:  # the first gradient of a new backward pass
                     self._backward_done = False
                     self._grad_to_be_reduced = [True for _ in self._trainable_params]
                     self._bucket_flush_callback_set = False
@@ -582,7 +587,8 @@ def require_every_rank(group: Any, timeout: timedelta, group_timeout: Optional[t
     would hang. ``monitored_barrier`` turns that into an error. Its two sides wait differently (torch's
     Gloo ``monitored_barrier``): rank 0 waits ``timeout`` for the others, then raises naming the ranks that
     did not come (they are not saving); every other rank waits for rank 0's answer as long as ``group``'s
-    own timeout (``group_timeout``, only used in the message), then raises. Rank 0 arriving late is not an
+    own timeout (``group_timeout``, only used in the message), then raises; it also raises, at once, when rank
+    0 gave up on a third rank that is not saving (it cannot tell which happened). Rank 0 arriving late is not an
     error as long as it is within that timeout: give ``group`` the timeout of the main process group
     (:func:`_renew_save_group` does), so that rank-0-only work before a save (an upload, an evaluation) is
     waited for as any collective would wait for it. After a timeout ``group`` is unusable (and the run is
@@ -594,10 +600,11 @@ def require_every_rank(group: Any, timeout: timedelta, group_timeout: Optional[t
         if dist.get_rank(group) == 0:
             problem = f"not every rank is saving (rank 0 waited {timeout} for them): {error}."
         else:
-            waited = f"within {group_timeout}" if group_timeout is not None else "within the process group's timeout"
+            waited = f"{group_timeout}" if group_timeout is not None else "the process group's timeout"
             problem = (
-                f"rank 0 did not reach the checkpoint {waited}: either it is not saving, or it is late (rank 0 may"
-                f" lag the other ranks by at most the process group's timeout): {error}."
+                "rank 0 did not confirm that every rank is saving: either rank 0 is not saving or is later than"
+                f" {waited} (it may lag the other ranks by at most the process group's timeout), or another rank is"
+                f" not saving (rank 0's error names it): {error}."
             )
         raise RuntimeError(
             f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but {problem} Call"
@@ -667,9 +674,10 @@ class CustomDDPSharded(CustomDDP):
     Saving a checkpoint gathers every rank's shard: ``trainer.save_checkpoint`` must run on every rank (it
     writes from rank 0 only), as ModelCheckpoint does. Called on some ranks only (e.g. under
     ``if trainer.is_global_zero:``), the gather would hang; instead every rank that is saving raises a
-    RuntimeError: rank 0 after ``save_timeout``, naming the ranks that are not saving; any other rank after
-    the process group's ``timeout`` (rank 0 did not come). Rank 0 may therefore come late to a save that
-    every rank makes (rank-0-only work before it), by up to the process group's ``timeout``, not more.
+    RuntimeError: rank 0 after ``save_timeout``, naming the ranks that are not saving; any other rank when
+    rank 0 raises, or after the process group's ``timeout`` if rank 0 does not come. Rank 0 may therefore come
+    late to a save that every rank makes (rank-0-only work before it), by up to the process group's
+    ``timeout``, not more.
 
     Args:
         save_timeout: how long rank 0, saving a checkpoint, waits for the other ranks before raising that
@@ -787,6 +795,21 @@ class CustomDDPSharded(CustomDDP):
         return cast(Module, wrapper(model, optimizers, process_group=self.data_parallel_group, **kwargs))
 
     # ------------------------------------------------------------------ steps
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Lightning's backward, with the wrapper reducing this backward pass also when it is not the first after
+        a forward (see the wrapper's ``reduce_every_backward``)."""
+        wrapper: Any = self.model if isinstance(self.model, _sharded_data_parallel_class()) else None
+        if wrapper is not None:
+            wrapper.reduce_every_backward = True
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if wrapper is not None:
+                wrapper.reduce_every_backward = False
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Lightning's validation loop calls `trainer.model.eval()`, the wrapper included, but restores the modes

@@ -9,6 +9,7 @@ CustomDDP one, or hang (every run has a process-group timeout and a test timeout
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import textwrap
 import warnings
@@ -29,7 +30,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port
 from scenarios import BackboneAndHead, PKBatches, labels_for, trainer_kwargs
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_ddp_ext import CustomDDP, CustomDDPSharded
 from lightning_ddp_ext.sharded import balanced_partition, constructor_defaults, fairscale_available
@@ -502,6 +503,56 @@ def test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_o
                 assert torch.allclose(mine["state"][index][key], value, atol=1e-6), (index, key)
 
 
+class BackwardOutsideTraining(pl.LightningModule):
+    """Takes an input gradient in ``validation_step`` (saliency maps, adversarial examples) and, after the fit,
+    a gradient of the bare module: backward passes the strategy does not run, which must stay local, as with
+    fairscale's own wrapper (a second fit of the same module adds a new wrapper's hooks to the retired one's,
+    which must stay idle too). Each rank saves whether its gradients after the fit were its own."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        self.out_dir = out_dir
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        with torch.enable_grad():
+            self.net(batch[0].clone().requires_grad_(True)).pow(2).sum().backward()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def teardown(self, stage: str) -> None:  # after the strategy's teardown
+        self.zero_grad(set_to_none=True)
+        x = torch.full((2, 4), float(self.global_rank + 1))
+        self.net(x).pow(2).sum().backward()
+        reference = copy.deepcopy(self.net)
+        reference.zero_grad(set_to_none=True)
+        reference(x).pow(2).sum().backward()
+        local = all(torch.equal(p.grad, r.grad) for p, r in zip(self.net.parameters(), reference.parameters()))
+        torch.save(local, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+@needs_fairscale
+@pytest.mark.timeout(150)
+def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path) -> None:
+    """With eval_mode="exact", rank 0 runs 2 validation steps and rank 1 one: reducing their backward passes hung
+    (the wrapper re-armed at any backward after its first). After the fit, its hooks, still on the parameters' gradient
+    accumulators, reduced a local backward on the bare module: the non-owners' gradients became None."""
+    points = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    trainer = pl.Trainer(
+        strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
+        **trainer_kwargs(max_epochs=1, num_sanity_val_steps=0),
+    )
+    validation = DataLoader(TensorDataset(torch.randn(5, 4)), batch_size=2)
+    trainer.fit(BackwardOutsideTraining(str(tmp_path)), DataLoader(points, batch_size=2), validation)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") is True, rank
+
+
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks
 def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     """Re-wrapping, schedulers, clipping in every precision, the scaler, the save guard and its group, on real ranks."""
@@ -673,7 +724,12 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     for lone in range(world_size):
         guarded.setup_distributed()  # a fresh guard group: one that timed out is unusable
         if rank == lone:
-            expected = "not every rank is saving" if rank == 0 else "rank 0 did not reach the checkpoint within 0:00:04"
+            expected = (
+                "not every rank is saving"
+                if rank == 0
+                else "rank 0 did not confirm that every rank is saving: either rank 0 is not saving or is later than"
+                " 0:00:04"
+            )
             with pytest.raises(RuntimeError, match=expected) as raised:
                 guarded.optimizer_state(oss)
             facts["guard"] = str(raised.value)
@@ -706,7 +762,7 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
 def test_parts_on_two_ranks() -> None:
     facts = run_distributed(_parts, 2, timeout=90)
     assert "Ranks 1 failed to pass monitoredBarrier" in facts[0]["guard"]  # rank 0 names the missing rank
-    assert "either it is not saving, or it is late" in facts[1]["guard"]  # rank 1 cannot tell which
+    assert "either rank 0 is not saving or is later than" in facts[1]["guard"]  # rank 1 cannot tell which
     for rank in range(2):
         assert "trainer.save_checkpoint() on every rank" in facts[rank]["guard"]
     assert facts[0]["late_rank_0_state"] == ["param_groups", "state"]  # consolidated on rank 0 only
