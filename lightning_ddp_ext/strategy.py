@@ -13,8 +13,8 @@ import logging
 import os
 import weakref
 import zlib
-from itertools import chain
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Optional, Union
 
@@ -417,11 +417,16 @@ class CustomDDP(DDPStrategy):
             )
         before = self._wrapped_requires_grad
         self._agree_on_requires_grad(now)
+        # While the old wrapper still works: should a collective here fail, the model is still wrapped. Not the
+        # parameters DDP was told to ignore (they may even differ between ranks).
+        ignored = set(getattr(old.module, "_ddp_params_and_buffers_to_ignore", ()))
+        skipped = {id(p) for name, p in old.module.named_parameters() if name in ignored}
+        self._average_held_gradients(
+            [p for p, was in zip(self._wrapped_parameters, before) if was and id(p) not in skipped]
+        )
         cuda = self.root_device.type == "cuda"
-        if cuda:  # the old wrapper's reduction and the optimizer step are done before rank 0's parameters go out
-            torch.cuda.synchronize(self.root_device)
-        # While the old wrapper still works: should a collective here fail, the model is still wrapped.
-        self._average_held_gradients([p for p, was in zip(self._wrapped_parameters, before) if was])
+        if cuda:  # the old wrapper's reduction, the optimizer step and the average are done before the new wrapper
+            torch.cuda.synchronize(self.root_device)  # reads them on a side stream (and rank 0's parameters go out)
         # Its hooks stay on the parameters' gradient accumulators until the reducer is freed (a reference
         # cycle may keep it alive); a hook left behind would reduce into the old buckets.
         getattr(old, "_remove_autograd_hooks", lambda: None)()
@@ -508,7 +513,8 @@ class CustomDDP(DDPStrategy):
                 state.start_powerSGD_iter = max(state.start_powerSGD_iter, state.iter + 1)
 
     def _average_held_gradients(self, parameters: List[Parameter]) -> None:
-        """Average across ranks the gradients that ``parameters`` hold (those the old wrapper reduced).
+        """Average across ranks the gradients that ``parameters`` hold (those the old wrapper reduced: trainable,
+        and not among those DDP was told to ignore).
 
         They are the last step's, already averaged by the old wrapper (Lightning zeroes gradients later, inside
         the step's closure; averaging them again leaves them as they are, up to rounding), or local sums of a
@@ -518,8 +524,9 @@ class CustomDDP(DDPStrategy):
         others take zeros, as DDP's own reduction does for a parameter unused on a rank (of the dtype and
         layout, sparse or not, of the ranks that hold one). Where no rank has a gradient it stays None. Costs
         one all-reduce of a small integer tensor, then the gradients' all-reduces in flat buffers of one
-        (dtype, device) and at most ``_AVERAGE_BUFFER_BYTES`` each (sparse ones one by one: gloo only, NCCL has
-        no sparse all-reduce), each buffer a copy of its gradients for the time of its all-reduce.
+        (dtype, device) and about ``_AVERAGE_BUFFER_BYTES`` each (a larger gradient gets a buffer of its own;
+        sparse ones one by one: gloo only, NCCL has no sparse all-reduce), each buffer a copy of its gradients
+        for the time of its all-reduce. A plain mean over the group, whatever comm hook is registered.
         """
         if not parameters:
             return
@@ -552,8 +559,8 @@ class CustomDDP(DDPStrategy):
                 parameter.grad = parameter.grad.to_sparse(sparse_dim)
             grad = parameter.grad
             if grad.is_sparse:
+                grad.div_(world)  # before the sum, as DDP does: a sum of float16 gradients may overflow
                 dist.all_reduce(grad, group=group)
-                grad.div_(world)
             else:
                 key = (grad.dtype, grad.device)
                 filled = flat_bytes.get(key, 0)
@@ -563,9 +570,8 @@ class CustomDDP(DDPStrategy):
                 flat[key][-1].append(grad)
                 flat_bytes[key] = filled + grad.nbytes
         for same_kind in chain.from_iterable(flat.values()):
-            buffer = torch.cat([grad.reshape(-1) for grad in same_kind])
+            buffer = torch.cat([grad.reshape(-1) for grad in same_kind]).div_(world)
             dist.all_reduce(buffer, group=group)
-            buffer.div_(world)
             for grad, averaged in zip(same_kind, buffer.split([grad.numel() for grad in same_kind])):
                 grad.copy_(averaged.view_as(grad))
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from unittest.mock import patch
 from typing import Any, Dict, List, Optional
+from unittest.mock import patch
 
 import lightning
 import lightning.pytorch as pl
@@ -283,20 +283,33 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
     both = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
     for number, parameter in enumerate(both):
         parameter.grad = torch.full((2,), 2.0 * rank + number)
+    large = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16))
+    large.grad = torch.full((1,), 40000.0, dtype=torch.float16)  # averaged already: a sum first would overflow
     if rank == 0:
         embedding(torch.tensor([1, 1])).sum().backward()  # sparse gradient: 2 on row 1
         dense.grad = torch.full((3,), 2.0)
         half.grad = torch.full((3,), 2.0)  # a float32 gradient: without the agreement rank 1 makes bf16 zeros
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
-    with patch.object(strategy_module, "_AVERAGE_BUFFER_BYTES", 16):  # two of `both` per flat buffer
-        strategy._average_held_gradients([embedding.weight, dense, nowhere, half, *both])
+    reduced: List[Any] = []  # what each all-reduce took: its number of elements, or "sparse"
+    all_reduce = torch.distributed.all_reduce
+
+    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced.append("sparse" if tensor.is_sparse else tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    with patch.object(strategy_module, "_AVERAGE_BUFFER_BYTES", 16), patch.object(
+        strategy_module.dist, "all_reduce", recording_all_reduce
+    ):
+        strategy._average_held_gradients([embedding.weight, dense, nowhere, half, *both, large])
     return {
+        "reduced": reduced,
         "sparse": embedding.weight.grad.is_sparse,
         "embedding": embedding.weight.grad.to_dense().tolist(),
         "dense": dense.grad.tolist(),
         "nowhere": nowhere.grad,
         "half": (half.grad.dtype, half.grad.tolist()),
         "both": [parameter.grad.tolist() for parameter in both],
+        "large": large.grad.tolist(),
     }
 
 
@@ -305,12 +318,16 @@ def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
     all-reduces."""
     for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
         assert result == {
+            # the agreement (3 rows of 8), the sparse gradient, then flat float32 buffers of at most 16 bytes:
+            # dense (12), half's float32 gradient (12), both[0] and both[1] (8 + 8), both[2] (8); then float16
+            "reduced": [24, "sparse", 3, 3, 4, 2, 1],
             "sparse": True,
             "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]],
             "dense": [1.0] * 3,
             "nowhere": None,
             "half": (torch.float32, [1.0] * 3),
             "both": [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]],
+            "large": [40000.0],
         }, (rank, result)
 
 
@@ -348,3 +365,41 @@ def test_a_model_wrapped_with_ddp_mixed_precision_is_not_wrapped_again() -> None
             r"experimental mixed_precision argument, whose forward hooks cannot be removed.*precision='bf16-mixed'",
             message,
         ), message
+
+
+class WithLocalParameter(torch.nn.Module):
+    """A shared layer, and a parameter of each rank's own that DDP is told to ignore (its shape differs by rank)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Linear(2, 2)
+        self.own = torch.nn.Module()  # torch's DDP ignores parameters of submodules only (".local" at the root)
+        self.own.local = torch.nn.Parameter(torch.zeros(rank + 1))
+        self._ddp_params_and_buffers_to_ignore = ["own.local"]
+
+
+def _rewrap_with_an_ignored_parameter(rank: int, world_size: int) -> Dict[str, Any]:
+    """On a real gloo group: a re-wrap (the shared bias frozen) while the ignored parameter holds a gradient."""
+    from torch.nn.parallel.distributed import DistributedDataParallel
+
+    module = WithLocalParameter(rank)
+    strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
+    strategy.model = DistributedDataParallel(module)
+    strategy._wrapped_parameters = list(module.parameters())
+    strategy._wrapped_requires_grad = [True, True, True]
+    module.own.local.grad = torch.full((rank + 1,), float(rank))
+    module.shared.bias.grad = torch.full((2,), float(rank))
+    module.shared.bias.requires_grad_(False)
+    strategy._rewrap_for_changed_requires_grad([True, False, True])
+    return {
+        "rewrapped": isinstance(strategy.model, DistributedDataParallel) and strategy.model.module is module,
+        "local": module.own.local.grad.tolist(),
+        "bias": module.shared.bias.grad.tolist(),
+    }
+
+
+def test_parameters_ddp_ignores_keep_their_gradients_at_a_re_wrap() -> None:
+    """DDP never reduced them, and they may differ between ranks (averaging them aborted gloo on a size mismatch)."""
+    for rank, result in enumerate(run_distributed(_rewrap_with_an_ignored_parameter, 2, timeout=60)):
+        assert result == {"rewrapped": True, "local": [float(rank)] * (rank + 1), "bias": [0.5, 0.5]}, (rank, result)
