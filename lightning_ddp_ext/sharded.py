@@ -368,12 +368,13 @@ def _reduce_added_parameters(wrapper: Module) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _sharded_data_parallel_class() -> type:
-    """fairscale's ShardedDataParallel, reducing at every backward pass; built on first use (fairscale is optional)."""
+    """fairscale's ShardedDataParallel, reducing at every backward pass the strategy runs; built on first use
+    (fairscale is optional)."""
     _, sharded_data_parallel = _fairscale()
 
     # fairscale's class name, kept: code that checks `type(trainer.model).__name__` goes on working.
     class ShardedDataParallel(sharded_data_parallel):  # type: ignore[misc, valid-type]
-        """ShardedDataParallel that reduces the gradients of every backward pass, as DistributedDataParallel does.
+        """ShardedDataParallel that reduces the gradients of every backward pass the strategy runs.
 
         SDP arms its reduction (``_clear_counters``) in ``forward`` only. A second backward pass after one forward
         (manual optimization with two optimizers, GAN style) reduced only the parameters the first had not, and
@@ -381,9 +382,11 @@ def _sharded_data_parallel_class() -> type:
         error. Here SDP's end-of-backward callback (``_flush_reduce_calls``, which waits for the reductions)
         marks the backward pass done, and the first gradient of the next backward pass arms the reduction again,
         if the strategy runs it (``reduce_every_backward``, set by ``CustomDDPSharded.backward``: Lightning's
-        ``manual_backward`` and automatic optimization). Any other backward pass reaching the parameters (one in
-        ``validation_step``, one on the bare module after ``fit``) stays local, as with fairscale's wrapper;
-        reducing it would make ranks that run different numbers of them wait for each other.
+        ``manual_backward`` and automatic optimization), which also disarms, once it ends, the parameters it did
+        not reach (forward arms them all). Any other backward pass reaching the parameters (one in
+        ``validation_step``, one on the bare module after ``fit``) stays local; reducing it would make ranks that
+        run different numbers of them wait for each other. A plain ``loss.backward()`` in manual optimization is
+        not supported: as with fairscale's wrapper, the first after a forward reduces without being waited for.
         Within one backward pass a parameter is reduced at its first gradient only: one used both inside and
         outside a reentrant ``checkpoint`` segment (a nested backward pass) gets a wrong gradient, as with
         fairscale's wrapper (non-reentrant checkpointing is fine).
@@ -601,10 +604,11 @@ def require_every_rank(group: Any, timeout: timedelta, group_timeout: Optional[t
             problem = f"not every rank is saving (rank 0 waited {timeout} for them): {error}."
         else:
             waited = f"{group_timeout}" if group_timeout is not None else "the process group's timeout"
+            others = ", or another rank is not saving" if dist.get_world_size(group) > 2 else ""
             problem = (
                 "rank 0 did not confirm that every rank is saving: either rank 0 is not saving or is later than"
-                f" {waited} (it may lag the other ranks by at most the process group's timeout), or another rank is"
-                f" not saving (rank 0's error names it): {error}."
+                f" {waited} (it may lag the other ranks by at most the process group's timeout), or this rank came"
+                f" more than rank 0's save_timeout after it{others} (rank 0's error says which): {error}."
             )
         raise RuntimeError(
             f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but {problem} Call"
@@ -659,7 +663,8 @@ class CustomDDPSharded(CustomDDP):
       optimizers step the new ones, and SDP reduces their gradients from the next training step;
     - the model is wrapped in ``ShardedDataParallel`` by :meth:`configure_ddp` after the optimizers exist
       (SDP needs them; Lightning 2.x builds optimizers after wrapping), in a subclass that reduces the
-      gradients of every backward pass: SDP itself reduces only the first after each forward, so with manual
+      gradients of every backward pass the strategy runs (``manual_backward``, automatic optimization) and no
+      other: SDP itself reduces only the first after each forward, so with manual
       optimization and two backward passes per step the second optimizer stepped on unreduced gradients;
     - every training step runs with the wrapper in train mode, and validation steps bypass the wrapper;
     - gradient accumulation skips synchronisation with SDP's ``no_sync()`` (inherited from CustomDDP);
@@ -780,8 +785,8 @@ class CustomDDPSharded(CustomDDP):
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` in ShardedDataParallel over this strategy's OSS optimizers.
 
-        The wrapper is a subclass of fairscale's that reduces the gradients of every backward pass, also of
-        several after one forward (fairscale's reduces only the first). ``device_ids`` is unused: SDP works on
+        The wrapper is a subclass of fairscale's that reduces the gradients of every backward pass the strategy
+        runs, also of several after one forward (fairscale's reduces only the first). ``device_ids`` is unused: SDP works on
         the device the model is on. Override to change the wrapper's options; ``self.optimizers`` are the OSS
         optimizers at this point. A plain ``ShardedDataParallel`` returned from an override trains correctly
         only with one backward pass per training step.
@@ -809,6 +814,10 @@ class CustomDDPSharded(CustomDDP):
         finally:
             if wrapper is not None:
                 wrapper.reduce_every_backward = False
+                # Disarm what this pass did not reach (forward arms every parameter): a backward pass the strategy
+                # does not run would reduce those, with no wait for the reduction.
+                wrapper._grad_to_be_reduced = [False for _ in wrapper._trainable_params]
+                wrapper._backward_done = True
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -506,21 +506,27 @@ def test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_o
 class BackwardOutsideTraining(pl.LightningModule):
     """Takes an input gradient in ``validation_step`` (saliency maps, adversarial examples) and, after the fit,
     a gradient of the bare module: backward passes the strategy does not run, which must stay local, as with
-    fairscale's own wrapper (a second fit of the same module adds a new wrapper's hooks to the retired one's,
-    which must stay idle too). Each rank saves whether its gradients after the fit were its own."""
+    fairscale's own wrapper. They also reach ``probe``, which no training backward pass reaches (as a GAN's
+    discriminator step leaves the generator out). Each rank saves whether its gradients after the fit were its
+    own."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        self.probe = torch.nn.Linear(4, 1)
         self.out_dir = out_dir
+
+    def outside_training(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).pow(2).sum() + self.probe(x).pow(2).sum()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         with torch.enable_grad():
-            self.net(batch[0].clone().requires_grad_(True)).pow(2).sum().backward()
+            self.outside_training(batch[0].clone().requires_grad_(True)).backward()
+        self.zero_grad(set_to_none=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -528,11 +534,11 @@ class BackwardOutsideTraining(pl.LightningModule):
     def teardown(self, stage: str) -> None:  # after the strategy's teardown
         self.zero_grad(set_to_none=True)
         x = torch.full((2, 4), float(self.global_rank + 1))
-        self.net(x).pow(2).sum().backward()
-        reference = copy.deepcopy(self.net)
+        self.outside_training(x).backward()
+        reference = copy.deepcopy(self)
         reference.zero_grad(set_to_none=True)
-        reference(x).pow(2).sum().backward()
-        local = all(torch.equal(p.grad, r.grad) for p, r in zip(self.net.parameters(), reference.parameters()))
+        reference.outside_training(x).backward()
+        local = all(torch.equal(p.grad, r.grad) for p, r in zip(self.parameters(), reference.parameters()))
         torch.save(local, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
@@ -541,11 +547,13 @@ class BackwardOutsideTraining(pl.LightningModule):
 def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path) -> None:
     """With eval_mode="exact", rank 0 runs 2 validation steps and rank 1 one: reducing their backward passes hung
     (the wrapper re-armed at any backward after its first). After the fit, its hooks, still on the parameters' gradient
-    accumulators, reduced a local backward on the bare module: the non-owners' gradients became None."""
+    accumulators, reduced a local backward on the bare module: the non-owners' gradients became None. The probe,
+    armed by every forward and reached by no training backward, was reduced by the validation backward without
+    a wait: the next epoch's first step failed in fairscale's cleanup."""
     points = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
     trainer = pl.Trainer(
         strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
-        **trainer_kwargs(max_epochs=1, num_sanity_val_steps=0),
+        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
     )
     validation = DataLoader(TensorDataset(torch.randn(5, 4)), batch_size=2)
     trainer.fit(BackwardOutsideTraining(str(tmp_path)), DataLoader(points, batch_size=2), validation)
