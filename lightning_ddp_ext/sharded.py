@@ -385,8 +385,9 @@ def _sharded_data_parallel_class() -> type:
         ``manual_backward`` and automatic optimization), which also disarms, once it ends, the parameters it did
         not reach (forward arms them all). Any other backward pass reaching the parameters (one in
         ``validation_step``, one on the bare module after ``fit``) stays local; reducing it would make ranks that
-        run different numbers of them wait for each other. A plain ``loss.backward()`` in manual optimization is
-        not supported: as with fairscale's wrapper, the first after a forward reduces without being waited for.
+        run different numbers of them wait for each other. The strategy also disarms the wrapper when a training
+        step ends (a manual-optimization step may skip its backward). A plain ``loss.backward()`` in manual
+        optimization is not supported: after a ``manual_backward`` it stays local, silently.
         Within one backward pass a parameter is reduced at its first gradient only: one used both inside and
         outside a reentrant ``checkpoint`` segment (a nested backward pass) gets a wrong gradient, as with
         fairscale's wrapper (non-reentrant checkpointing is fine).
@@ -454,6 +455,14 @@ def _sharded_data_parallel_class() -> type:
                 # the rank whose gradient SDP keeps after the reduction (its `cleanup`)
                 if not self._grad_to_be_reduced[index] and self._trainable_param_to_rank[param] == self._global_rank:
                     self._holding_reduced.add(param)
+            self._backward_done = True
+
+        def disarm(self) -> None:
+            """Arm nothing until the strategy's next backward pass: forward arms every parameter, and a backward
+            pass the strategy does not run would reduce those its own passes did not reach, with no wait for the
+            reduction (a crash in SDP's cleanup at the next step, or gradients reduced that should stay local).
+            The strategy's next backward pass arms them again at its first gradient."""
+            self._grad_to_be_reduced = [False for _ in self._trainable_params]
             self._backward_done = True
 
     ShardedDataParallel.__module__, ShardedDataParallel.__qualname__ = __name__, "ShardedDataParallel"
@@ -601,14 +610,18 @@ def require_every_rank(group: Any, timeout: timedelta, group_timeout: Optional[t
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as error:
         if dist.get_rank(group) == 0:
-            problem = f"not every rank is saving (rank 0 waited {timeout} for them): {error}."
+            problem = (
+                f"not every rank is saving, or some came more than {timeout} late (rank 0 waited {timeout} for"
+                f" them): {error}."
+            )
         else:
             waited = f"{group_timeout}" if group_timeout is not None else "the process group's timeout"
             others = ", or another rank is not saving" if dist.get_world_size(group) > 2 else ""
             problem = (
                 "rank 0 did not confirm that every rank is saving: either rank 0 is not saving or is later than"
                 f" {waited} (it may lag the other ranks by at most the process group's timeout), or this rank came"
-                f" more than rank 0's save_timeout after it{others} (rank 0's error says which): {error}."
+                f" more than rank 0's save_timeout after it{others} (if rank 0 is saving, its error names the ranks it"
+                f" did not see): {error}."
             )
         raise RuntimeError(
             f"CustomDDPSharded: a checkpoint gathers the sharded optimizer state from every rank, but {problem} Call"
@@ -814,10 +827,7 @@ class CustomDDPSharded(CustomDDP):
         finally:
             if wrapper is not None:
                 wrapper.reduce_every_backward = False
-                # Disarm what this pass did not reach (forward arms every parameter): a backward pass the strategy
-                # does not run would reduce those, with no wait for the reduction.
-                wrapper._grad_to_be_reduced = [False for _ in wrapper._trainable_params]
-                wrapper._backward_done = True
+                wrapper.disarm()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -827,7 +837,11 @@ class CustomDDPSharded(CustomDDP):
         if self.model is not None and self.model is not self.lightning_module:
             self.model.training = True
             _reduce_added_parameters(self.model)
-        return super().training_step(*args, **kwargs)
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:  # a manual-optimization step that skipped its backward leaves the forward's arming behind
+            if isinstance(self.model, _sharded_data_parallel_class()):
+                cast(Any, self.model).disarm()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -507,8 +507,7 @@ class BackwardOutsideTraining(pl.LightningModule):
     """Takes an input gradient in ``validation_step`` (saliency maps, adversarial examples) and, after the fit,
     a gradient of the bare module: backward passes the strategy does not run, which must stay local, as with
     fairscale's own wrapper. They also reach ``probe``, which no training backward pass reaches (as a GAN's
-    discriminator step leaves the generator out). Each rank saves whether its gradients after the fit were its
-    own."""
+    discriminator step leaves the generator out). Each rank saves whether every such gradient was its own."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__()
@@ -516,47 +515,67 @@ class BackwardOutsideTraining(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
         self.probe = torch.nn.Linear(4, 1)
         self.out_dir = out_dir
+        self.all_local = True
 
-    def outside_training(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x).pow(2).sum() + self.probe(x).pow(2).sum()
+    def check_gradients_are_local(self, x: torch.Tensor) -> None:
+        """A backward pass outside training; its gradients must be this rank's own (a copy's, computed alone)."""
+        layers = torch.nn.ModuleList([self.net, self.probe])
+        reference = copy.deepcopy(layers)
+        for module in (layers, reference):
+            module.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                (module[0](x).pow(2).sum() + module[1](x).pow(2).sum()).backward()
+        self.all_local &= all(torch.equal(p.grad, r.grad) for p, r in zip(layers.parameters(), reference.parameters()))
+        layers.zero_grad(set_to_none=True)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        with torch.enable_grad():
-            self.outside_training(batch[0].clone().requires_grad_(True)).backward()
-        self.zero_grad(set_to_none=True)
+        self.check_gradients_are_local(batch[0] + self.global_rank)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def teardown(self, stage: str) -> None:  # after the strategy's teardown
-        self.zero_grad(set_to_none=True)
-        x = torch.full((2, 4), float(self.global_rank + 1))
-        self.outside_training(x).backward()
-        reference = copy.deepcopy(self)
-        reference.zero_grad(set_to_none=True)
-        reference.outside_training(x).backward()
-        local = all(torch.equal(p.grad, r.grad) for p, r in zip(self.parameters(), reference.parameters()))
-        torch.save(local, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+        self.check_gradients_are_local(torch.full((2, 4), float(self.global_rank + 1)))
+        torch.save(self.all_local, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+class SkipsTheLastBackward(BackwardOutsideTraining):
+    """Manual optimization whose last step of each epoch runs the forward but no backward (a skipped non-finite
+    loss, say): nothing disarms the wrapper at a backward, so the step's end must."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self.net(batch[0]).pow(2).mean()
+        if batch_idx == 0:  # 2 steps per epoch on each rank: the second skips its backward
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
 
 
 @needs_fairscale
 @pytest.mark.timeout(150)
-def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path) -> None:
+@pytest.mark.parametrize("module", [BackwardOutsideTraining, SkipsTheLastBackward])
+def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path, module: type) -> None:
     """With eval_mode="exact", rank 0 runs 2 validation steps and rank 1 one: reducing their backward passes hung
     (the wrapper re-armed at any backward after its first). After the fit, its hooks, still on the parameters' gradient
     accumulators, reduced a local backward on the bare module: the non-owners' gradients became None. The probe,
     armed by every forward and reached by no training backward, was reduced by the validation backward without
-    a wait: the next epoch's first step failed in fairscale's cleanup."""
+    a wait: the next epoch's first step failed in fairscale's cleanup. A step without a backward left every
+    parameter armed the same way."""
     points = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
     trainer = pl.Trainer(
         strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
         **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
     )
     validation = DataLoader(TensorDataset(torch.randn(5, 4)), batch_size=2)
-    trainer.fit(BackwardOutsideTraining(str(tmp_path)), DataLoader(points, batch_size=2), validation)
+    trainer.fit(module(str(tmp_path)), DataLoader(points, batch_size=2), validation)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") is True, rank
 
