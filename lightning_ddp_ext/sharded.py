@@ -387,7 +387,8 @@ def _sharded_data_parallel_class() -> type:
         ``validation_step``, one on the bare module after ``fit``) stays local; reducing it would make ranks that
         run different numbers of them wait for each other. The strategy also disarms the wrapper when a training
         step ends (a manual-optimization step may skip its backward). A plain ``loss.backward()`` in manual
-        optimization is not supported: after a ``manual_backward`` it stays local, silently.
+        optimization is not supported: the first of a step is reduced (every rank must run it), one after a
+        ``manual_backward`` stays local, silently.
         Within one backward pass a parameter is reduced at its first gradient only: one used both inside and
         outside a reentrant ``checkpoint`` segment (a nested backward pass) gets a wrong gradient, as with
         fairscale's wrapper (non-reentrant checkpointing is fine).
