@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -256,6 +257,17 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     # again, so skipping it there would leave them one batch short: no epoch-end validation, no last step.
     done = progress.processed if hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end") else progress.completed
     return restarted[0], int(done)
+
+
+def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
+    """Whether Lightning is about to restore ``loader``'s own position from the checkpoint it resumes.
+
+    A loader with ``state_dict`` and ``load_state_dict`` (torchdata's ``StatefulDataLoader``, for example) is
+    saved in the checkpoint by the fit loop, which loads its state back once the train loader is set up: the
+    loader then skips the batches it had yielded by itself, so a sampler must not skip them too.
+    """
+    states = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
+    return bool(states) and isinstance(loader, _Stateful)
 
 
 def _last_batch_done(batches: Any) -> bool:

@@ -777,7 +777,8 @@ class CustomDDP(DDPStrategy):
         that iterator draws its first indices at once, so a resumed fit would train its first epoch on the
         sequence of epoch 0. After a mid-epoch checkpoint, Lightning runs only the batches left in the epoch
         but restarts a plain DataLoader at the epoch's start; the wrapper skips the batches already trained
-        instead, so the resumed run sees exactly the batches an uninterrupted one would.
+        instead, so the resumed run sees exactly the batches an uninterrupted one would. A stateful loader
+        (``StatefulDataLoader``) restores its own position, so its wrapper skips nothing.
         """
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else loader.sampler
@@ -785,7 +786,7 @@ class CustomDDP(DDPStrategy):
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
         resume = _compat.mid_epoch_resume(trainer)
-        if resume is not None and wrapper is not None:
+        if resume is not None and wrapper is not None and not _compat.restores_loader_position(trainer, loader):
             resumed_epoch, done = resume
             # A loader shorter than the epoch is restarted when it runs out (CombinedLoader's "max_size_cycle"):
             # what it trained of its current pass is what is left over after its whole passes.

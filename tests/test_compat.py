@@ -78,3 +78,27 @@ def test_comm_hook_states() -> None:
     assert _compat.comm_hook_states(Wrapper(), strategy) == [state, other]
     assert _compat.comm_hook_states(object(), strategy) == [state]
     assert _compat.comm_hook_states(object(), DDPStrategy()) == []
+
+
+def test_loader_states_restored_by_the_fit_loop() -> None:
+    """The fit loop keeps a checkpoint's loader states until it has set up the train loader, then loads them into
+    the loaders that have ``state_dict`` and ``load_state_dict`` (and only those)."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from torch.utils.data import DataLoader
+
+    setup = inspect.getsource(_FitLoop.setup_data)
+    assert setup.index("_process_dataloader(") < setup.index("self._load_combined_loader_states()")
+    assert "self._combined_loader_states_to_load = state_dict.get(" in inspect.getsource(_FitLoop.on_load_checkpoint)
+
+    class Stateful(DataLoader):
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert not _compat.restores_loader_position(trainer, Stateful(range(4)))  # nothing to load
+    trainer.fit_loop._combined_loader_states_to_load = [{}]
+    assert _compat.restores_loader_position(trainer, Stateful(range(4)))
+    assert not _compat.restores_loader_position(trainer, DataLoader(range(4)))

@@ -9,6 +9,9 @@ Usage: python reliability_resume_edges.py OUT_DIR
 * ``cycled``: two loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank
   and ``b`` with 2 (restarted when it runs out), one epoch; ``cycled_first`` stops after step 3 (``b`` one
   batch into its second pass) with a checkpoint; ``cycled_resumed`` finishes the epoch from it.
+* ``stateful``: torchdata's ``StatefulDataLoader``, whose position the checkpoint holds and Lightning restores,
+  one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
+  the epoch from it.
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
@@ -22,6 +25,7 @@ from reliability_common import WeightRecorder, pk_loader, run_guarded, strategy,
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
+STATEFUL_STOP = 2
 
 
 def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1, **options: Any) -> None:
@@ -49,6 +53,13 @@ def limited_loader_with_workers() -> Any:
     return pk_loader(size=96, num_workers=1)  # its iterator reads the sampler as soon as it is made
 
 
+def stateful_loader() -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    plain = pk_loader(size=96)
+    return StatefulDataLoader(plain.dataset, batch_sampler=plain.batch_sampler)
+
+
 def two_loaders() -> Dict[str, Any]:
     return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2)}
 
@@ -65,3 +76,7 @@ if __name__ == "__main__":
     fit(out, "cycled", two_loaders, max_epochs=1)
     fit(out, "cycled_first", two_loaders, stop_at=CYCLED_STOP, max_epochs=1)
     fit(out, "cycled_resumed", two_loaders, ckpt_path=checkpoints / f"cycled_first-step={CYCLED_STOP}.ckpt", max_epochs=1)
+    fit(out, "stateful", stateful_loader, max_epochs=1)
+    fit(out, "stateful_first", stateful_loader, stop_at=STATEFUL_STOP, max_epochs=1)
+    fit(out, "stateful_resumed", stateful_loader, ckpt_path=checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt",
+        max_epochs=1)
