@@ -224,6 +224,10 @@ store_pack(StoreObject *self, PyObject **items, Py_ssize_t count)
 static int
 store_converted(StoreObject *self, PyObject *item)
 {
+    if (self->convert == NULL) { /* cleared by the garbage collector (tp_clear) while something still reads */
+        PyErr_SetString(PyExc_RuntimeError, "Store was cleared by the garbage collector");
+        return -1;
+    }
     PyObject *converted = PyObject_CallOneArg(self->convert, item);
     if (converted == NULL) {
         return -1;
@@ -268,6 +272,23 @@ store_converted(StoreObject *self, PyObject *item)
 static int
 store_item(StoreObject *self, PyObject *item)
 {
+    /* Room for the end first: once the item's values are appended, nothing may fail before its end is. */
+    if (self->batched && self->items + 1 == self->ends_capacity) {
+        /* Up to the expected items in one go, but like the values at most MAX_PROJECTED_GROWTH times as
+         * many as are stored: expected is a hint, and a wrong one must not reserve (or overflow) anything. */
+        Py_ssize_t capacity = self->items + self->items / 2 + 2;
+        if (self->items < self->expected) {
+            Py_ssize_t most = MAX_PROJECTED_GROWTH * (self->items + 2);
+            capacity = self->expected < most ? self->expected + 1 : most;
+        }
+        long long *ends = PyMem_Realloc(self->ends, (size_t)capacity * sizeof(long long));
+        if (ends == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->ends = ends;
+        self->ends_capacity = capacity;
+    }
     Py_ssize_t count = 1;
     PyObject **items = self->batched ? sequence_items(item, &count) : &item;
     int packed = items == NULL ? 1 : store_pack(self, items, count);
@@ -278,22 +299,6 @@ store_item(StoreObject *self, PyObject *item)
         return -1;
     }
     if (self->batched) {
-        if (self->items + 1 == self->ends_capacity) {
-            /* Up to the expected items in one go, but like the values at most MAX_PROJECTED_GROWTH times as
-             * many as are stored: expected is a hint, and a wrong one must not reserve (or overflow) anything. */
-            Py_ssize_t capacity = self->items + self->items / 2 + 2;
-            if (self->items < self->expected) {
-                Py_ssize_t most = MAX_PROJECTED_GROWTH * (self->items + 2);
-                capacity = self->expected < most ? self->expected + 1 : most;
-            }
-            long long *ends = PyMem_Realloc(self->ends, (size_t)capacity * sizeof(long long));
-            if (ends == NULL) {
-                PyErr_NoMemory();
-                return -1;
-            }
-            self->ends = ends;
-            self->ends_capacity = capacity;
-        }
         self->ends[self->items + 1] = self->size;
     }
     self->items++;
@@ -336,6 +341,13 @@ static int
 store_traverse(StoreObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->convert);
+    return 0;
+}
+
+static int
+store_clear(StoreObject *self)
+{
+    Py_CLEAR(self->convert);
     return 0;
 }
 
@@ -485,6 +497,7 @@ static PyTypeObject StoreType = {
     .tp_new = store_new,
     .tp_dealloc = (destructor)store_dealloc,
     .tp_traverse = (traverseproc)store_traverse,
+    .tp_clear = (inquiry)store_clear,
     .tp_methods = store_methods,
     .tp_getset = store_getset,
     .tp_as_sequence = &store_as_sequence,
@@ -648,6 +661,20 @@ window_dealer_traverse(WindowDealerObject *self, visitproc visit, void *arg)
     return 0;
 }
 
+/* Break a reference cycle through the dealer (its source or a held item referring back to it): drop what it
+ * holds and end it, so a later next() reads nothing. */
+static int
+window_dealer_clear(WindowDealerObject *self)
+{
+    if (self->held != NULL) {
+        window_dealer_release(self);
+    }
+    Py_CLEAR(self->source);
+    Py_CLEAR(self->on_sample);
+    self->done = 1;
+    return 0;
+}
+
 static void
 window_dealer_dealloc(WindowDealerObject *self)
 {
@@ -757,6 +784,7 @@ static PyTypeObject WindowDealerType = {
     .tp_new = window_dealer_new,
     .tp_dealloc = (destructor)window_dealer_dealloc,
     .tp_traverse = (traverseproc)window_dealer_traverse,
+    .tp_clear = (inquiry)window_dealer_clear,
     .tp_iter = PyObject_SelfIter,
     .tp_iternext = (iternextfunc)window_dealer_next,
     .tp_members = window_dealer_members,

@@ -105,6 +105,24 @@ def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
     return [] if combined is None else list(combined.flattened)
 
 
+def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int) -> Optional[int]:
+    """How many batches of evaluation loader ``dataloader_idx`` the running validation or test has finished, or
+    None inside a batch (its own count is not updated yet) or when Lightning does not count them.
+
+    The evaluation loop counts a loader's batches once their batch-end hooks ran, except in the sanity check,
+    which runs ``trainer.num_sanity_val_batches`` of each loader.
+    """
+    if inside_evaluation_batch(trainer):
+        return None
+    if trainer.sanity_checking:
+        planned = trainer.num_sanity_val_batches
+        count = planned[dataloader_idx] if 0 <= dataloader_idx < len(planned) else None
+        return int(count) if isinstance(count, int) or (isinstance(count, float) and count.is_integer()) else None
+    stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
+    seen = getattr(_running_loop(trainer, stage), "_seen_batches_per_dataloader", None)
+    return None if seen is None else int(seen.get(dataloader_idx, 0))
+
+
 def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:
     """Whether a validation or test batch is running: its batch-start hooks, its step or its batch-end hooks.
 

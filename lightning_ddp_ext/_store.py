@@ -121,7 +121,10 @@ class CompactStore:
             if any(isinstance(item, (str, bytes)) for item in items):
                 raise TypeError  # they iterate as characters or small ints, but are no index batches
             lengths = list(map(len, items))
-            self._append_values(list(chain.from_iterable(items)))
+            values = list(chain.from_iterable(items))
+            if sum(lengths) != len(values):
+                raise TypeError  # an item whose len() disagrees with its iteration: take each as it iterates
+            self._append_values(values)
         except (TypeError, ValueError, OverflowError):
             for item in items:  # one at a time, to name the item that is not an index (_convert raises)
                 self._append_values(array("q", self._convert(item)).tolist())

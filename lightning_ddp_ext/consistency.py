@@ -213,4 +213,6 @@ def _divergence_error(
         " item of that sequence, so different sequences overlap and part of the data is never seen. Seed the"
         " sampler identically on every rank (for example pass a torch.Generator seeded with the same number, and"
         " derive per-epoch randomness from seed + epoch in set_epoch), and give it the same data on every rank."
+        " If it already gives each rank its own share (it reads the rank), it must not be dealt again: pass"
+        " Trainer(use_distributed_sampler=False), or build its loader with patch_dataloader_to_ddp left out."
     )

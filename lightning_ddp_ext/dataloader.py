@@ -57,9 +57,10 @@ _warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
+    """Warn with ``message`` once per process; a warning turned into an error (``-W error``) is not counted."""
     if message not in _warned:
-        _warned.add(message)
         warnings.warn(message, UserWarning, stacklevel=3)
+        _warned.add(message)
 
 
 def _worker_start_method(loader: DataLoader) -> str:

@@ -244,12 +244,14 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     @property
     def head_digest(self) -> Optional[SequenceDigest]:
-        """Digest of the first window of the current epoch, available once the first item was yielded."""
+        """Digest of the current epoch's head (its first items, up to 64), available once the first item was
+        yielded: the wrapper reads the whole head before it yields anything."""
         return self._head_digest
 
     @property
     def epoch_digest(self) -> Optional[SequenceDigest]:
-        """Digest of the last epoch that was iterated to its end."""
+        """Digest of the most recent epoch whose last items the wrapper dealt. It is taken when the final block
+        is read, not when iteration ends: Lightning, knowing the length, never asks past the last batch."""
         return self._epoch_digest
 
     # ------------------------------------------------------------------ iteration
@@ -311,7 +313,6 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 block = recorded
             yield block
             del block  # consumed: free it (and what it refers to) before the next block is made
-        self._epoch_digest = digest.snapshot()
 
     def _mismatch(self, length: int, produced: int, more: bool = False) -> LengthMismatchError:
         """The error for a sampler whose iteration made ``produced`` items (more than that if ``more``)."""
@@ -350,7 +351,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def _unshuffled_blocks(self, length: int, total: int, digest: RunningDigest) -> Iterator[Iterable[T]]:
         """Deal the sequence round by round without shuffling: rank r keeps item r of every round of W.
 
-        Three stages: the first rounds in Python (they feed the digest's head and the padding), the middle
+        Three stages: the first rounds in Python, read whole before the first item is yielded (they feed the
+        digest's head, which the first check compares, and the padding), the middle
         rounds in C (this rank's item of each complete round, the other ranks' items freed at once: the C
         helper's ``WindowDealer`` with windows of one round, in one go, or ``zip`` + ``itemgetter`` a chunk at a
         time without it), hashing the last item of every chunk of ``_CHUNK_ROUNDS`` rounds for the digest, and
@@ -362,16 +364,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         final_start = (total - 1) // world * world  # first position of the last round
         head_end = min(final_start, -(-_HEAD_ITEMS // world) * world)
         head: List[Any] = []
-        for start, end in ((0, min(world, head_end)), (world, head_end)):  # one round first: a fast first item
-            if end <= start:
-                continue
-            block = list(islice(items, end - start))
-            if len(block) < end - start:
-                raise self._mismatch(length, start + len(block))
-            digest.update(block, start)
-            head.extend(block)
+        if head_end:  # read whole before its first item is yielded: the first check compares all of it
+            head = list(islice(items, head_end))
+            if len(head) < head_end:
+                raise self._mismatch(length, len(head))
+            digest.update(head, 0)
             self._head_digest = digest.snapshot()
-            yield block[rank::world]
+            yield head[rank::world]
         compact = _store._compact
         if compact is not None and head_end < final_start:  # windows of one round, unpermuted
             first_round, end_round = head_end // world, final_start // world
@@ -401,6 +400,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         ]
         if not head_end:
             self._head_digest = digest.snapshot()
+        self._epoch_digest = digest.snapshot()
         yield last_round[rank::world]
 
     def _window_blocks(
@@ -461,6 +461,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                     if block.last:
                         self._check_exhausted(items, block.start + len(mask), length)
                         digest.update((), length)
+                        self._epoch_digest = digest.snapshot()
                         picked.extend(head[:pad_count])
                 else:
                     selectors = iter(mask)
@@ -477,7 +478,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                             yield [picked[position] for position in positions]
                         raise failure or self._mismatch(length, block.start + read)
                     if block.sampled:
-                        _hash_block(digest, picked, block.start, len(mask), 0)
+                        try:
+                            _hash_block(digest, picked, block.start, len(mask), 0)
+                        except Exception:  # its sample, the last item, is bad: as in C, which hashes it as
+                            positions = positions[: (len(mask) // window - 1) * per_window]  # it reads it, the
+                            if positions:  # windows before the last one were complete and are yielded
+                                yield [picked[position] for position in positions]
+                            raise
                 if len(positions) > 1:
                     yield itemgetter(*positions)(picked)
                 elif positions:
@@ -543,7 +550,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             _hash_block(digest, kept, start, end - start, max(0, min(end, _HEAD_ITEMS) - start))
         self._check_exhausted(items, length, length)
         digest.update((), length)
-        self._head_digest = digest.snapshot()
+        self._head_digest = self._epoch_digest = digest.snapshot()
         yield from store.blocks_in_order(slot_of_position)  # type: ignore[misc]
 
 

@@ -46,7 +46,7 @@ from lightning_ddp_ext.samplers import (
     _check_seed,
     _check_shuffle_window,
 )
-from lightning_ddp_ext.sync import gather_in_order
+from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
 
@@ -130,6 +130,12 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
     return reduce_op is not None and reduce_op == dist.ReduceOp.AVG
+
+
+def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
+    """``wrapper``'s last whole-epoch digest, when every rank takes it. With unequal shares (``eval_mode="exact"``)
+    a rank without an item in the last round never asks for that round, so only some ranks would have it."""
+    return wrapper.epoch_digest if wrapper.even_shares else None
 
 
 def _wrapper_of(loader: object) -> Optional[_Wrapper]:
@@ -790,6 +796,15 @@ class CustomDDP(DDPStrategy):
             resumed_epoch, done = resume
             # A loader shorter than the epoch is restarted when it runs out (CombinedLoader's "max_size_cycle"):
             # what it trained of its current pass is what is left over after its whole passes.
+            if done >= len(loader) > 0:
+                rank_zero_warn(
+                    f"{type(self).__name__}: resuming mid-epoch {done} batches in, but this training loader has"
+                    f" {len(loader)} batches per epoch on each rank. CombinedLoader's default mode, 'max_size_cycle',"
+                    f" restarted it when it ran out, so it resumes {done % len(loader)} batch(es) into its current"
+                    " pass. Lightning does not tell the mode while loaders are set up: in mode 'max_size' it ran out"
+                    " instead, and would yield nothing more this epoch, so it trains some batches again. There,"
+                    " resume from an end-of-epoch checkpoint."
+                )
             done %= max(1, len(loader))
             items_done = done * (loader.batch_size or 1) if isinstance(wrapper, DistributedSamplerWrapper) else done
             if 0 < items_done < len(wrapper):
@@ -811,8 +826,9 @@ class CustomDDP(DDPStrategy):
             " shard it yourself (read torch.distributed.get_rank() in its __iter__)."
         )
 
-    def _verify(self, stage: RunningStage, include_epoch_digest: bool) -> None:
-        """One collective comparing the digests of the wrappers of the loaders ``stage`` runs now.
+    def _verify(self, stage: RunningStage) -> None:
+        """One collective comparing the digests (head and last whole epoch) of the wrappers of the loaders
+        ``stage`` runs now.
 
         The same list on every rank: the trainer's current loaders, in loader order. Wrappers of loaders
         that a reload replaced since the last check contribute their last epoch's digest once more, then are
@@ -826,24 +842,27 @@ class CustomDDP(DDPStrategy):
         replaced = [w for w in self._watched.get(key, []) if not any(w is c for c in current)]
         self._watched[key] = current
         digests: List[Optional[SequenceDigest]] = []
-        for wrapper in current:
-            digests.append(wrapper.head_digest)
-            if include_epoch_digest:
-                digests.append(wrapper.epoch_digest)
-        if include_epoch_digest:
-            digests.extend(wrapper.epoch_digest for wrapper in replaced)
+        digests.extend(digest for wrapper in current for digest in (wrapper.head_digest, _whole_epoch_digest(wrapper)))
+        digests.extend(map(_whole_epoch_digest, replaced))
         if digests:
             verify_same_sequence(*digests)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # Once per epoch, at its first step and so before its first optimizer step: the sequence every rank
-        # read so far (the first window of this epoch, the whole previous epoch) must agree.
+        # read so far (the head of this epoch, the whole previous epoch) must agree.
         trainer = self._attached_trainer
         if self.check_sampler_consistency and trainer is not None and trainer.current_epoch != self._verified_train_epoch:
             self._verified_train_epoch = trainer.current_epoch
-            self._verify(RunningStage.TRAINING, include_epoch_digest=True)
+            self._verify(RunningStage.TRAINING)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        # The last epoch's whole sequence, which no next epoch's first step compares.
+        if self.check_sampler_consistency:
+            self._verify(RunningStage.TRAINING)
+        super().on_train_end()
 
     @override
     def on_validation_start(self) -> None:
@@ -859,14 +878,14 @@ class CustomDDP(DDPStrategy):
     def on_validation_end(self) -> None:
         self._evaluating = False
         if self.check_sampler_consistency:
-            self._verify(RunningStage.VALIDATING, include_epoch_digest=False)
+            self._verify(RunningStage.VALIDATING)
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
         self._evaluating = False
         if self.check_sampler_consistency:
-            self._verify(RunningStage.TESTING, include_epoch_digest=False)
+            self._verify(RunningStage.TESTING)
         super().on_test_end()
 
     # ------------------------------------------------------------------ evaluation
@@ -908,12 +927,41 @@ class CustomDDP(DDPStrategy):
         """All ranks' per-sample ``values`` of this evaluation run, in dataset order, each sample once.
 
         ``values`` are this rank's outputs in the order its loader yielded the samples (a tensor with one row
-        per sample, or a list). Padding repeats are dropped before gathering. Call it on every rank, e.g. from
-        ``on_validation_epoch_end``.
+        per sample, or a list), one for each sample of the batches it evaluated in this run, padding included:
+        anything else (per-batch outputs, a batch left out) raises ``ValueError`` on every rank. Padding repeats
+        are dropped before gathering. Call it on every rank, e.g. from ``on_validation_epoch_end``.
         """
         indices = self.evaluated_indices(dataloader_idx)
-        count = min(len(values), len(indices))
-        return gather_in_order(values[:count], indices[:count])
+        evaluated = self._evaluated_samples(dataloader_idx)
+        if evaluated is None:  # inside a batch: what was evaluated so far, as many as values has
+            count = min(len(values), len(indices))
+            return _gather_in_order(values[:count], indices[:count])
+        count = min(evaluated, len(indices))  # fewer batches than dealt (sanity check, limits) or padding left out
+        problem = None
+        if len(values) != evaluated:
+            hint = _PER_BATCH_HINT if _looks_per_batch(values, evaluated) else (
+                "pass one value per evaluated sample (row), from every batch, in the order the batches came: values"
+                " that leave out a batch would be filed under the wrong indices"
+            )
+            problem = ValueError(
+                f"gather_in_order got {len(values)} values for evaluation loader {dataloader_idx}, but this rank"
+                f" evaluated {evaluated} samples of it in this run; {hint}"
+            )
+        return _gather_in_order(values[:count], indices[:count], problem=problem)
+
+    def _evaluated_samples(self, dataloader_idx: int) -> Optional[int]:
+        """How many samples, padding included, the batches of loader ``dataloader_idx`` evaluated so far in this
+        run hold; None inside a batch or where the loader's batches are not known."""
+        trainer = self._attached_trainer
+        batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx)
+        if batches is None:
+            return None
+        loader = self._evaluation_loader(dataloader_idx)
+        wrapper = _wrapper_of(loader)
+        if isinstance(wrapper, DistributedBatchSamplerWrapper):
+            return sum(map(len, wrapper.yielded[:batches]))
+        dealt = len(wrapper.yielded) if wrapper is not None else len(loader.sampler)  # type: ignore[arg-type]
+        return min(batches * (loader.batch_size or 1), dealt)
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
         trainer = self._attached_trainer

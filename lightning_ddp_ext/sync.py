@@ -116,10 +116,22 @@ def gather_in_order(
             cannot be sent, or two values of a repeated index cannot be compared.
         Either is raised on every rank, naming the rank when only some ranks passed bad input.
     """
-    problem: Optional[Exception] = None
+    return _gather_in_order(values, indices, dataset_size, group)
+
+
+def _gather_in_order(
+    values: Union[torch.Tensor, Sequence[Any]],
+    indices: Union[torch.Tensor, Sequence[int]],
+    dataset_size: Optional[int] = None,
+    group: Optional[Any] = None,
+    problem: Optional[Exception] = None,
+) -> Union[torch.Tensor, List[Any]]:
+    """:func:`gather_in_order`, raising ``problem`` (a caller's check of this rank's input) on every rank."""
+    local: Dict[str, Any] = {}
     try:
-        index = _as_index_tensor(indices)
-        local: Dict[str, Any] = {"values": _per_sample(values, index.numel()), "indices": index}
+        if problem is None:
+            index = _as_index_tensor(indices)
+            local = {"values": _per_sample(values, index.numel()), "indices": index}
     except Exception as error:  # this rank's alone: it travels to the others with the first exchange
         local, problem = {}, error
     ranks, _ = _ranks_to_gather(None, group)
@@ -582,6 +594,19 @@ def _is_number(item: Any) -> bool:
     return isinstance(item, (int, float, np.number)) or (isinstance(item, torch.Tensor) and item.numel() == 1)
 
 
+def _looks_per_batch(values: Any, count: int) -> bool:
+    """Whether ``values`` is a list of tensors whose rows add up to ``count``: per-batch outputs, as a prediction
+    loop collects them, where per-sample values were expected."""
+    if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+        return False
+    batches = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return len(batches) == len(values) > 0 and sum(len(v) for v in batches) == count
+
+
+#: Appended to an error about a per-batch list of values (see ``_looks_per_batch``).
+_PER_BATCH_HINT = "values looks like per-batch outputs: torch.cat them along dim 0 before calling gather_in_order"
+
+
 def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union[torch.Tensor, List[Any]]:
     """``values`` as a tensor or list of ``count`` samples, or an error saying what to pass instead.
 
@@ -600,14 +625,8 @@ def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union
         )
     samples = values if isinstance(values, torch.Tensor) else list(values)
     if len(samples) != count:
-        batches = [v for v in samples if isinstance(v, torch.Tensor) and v.dim() > 0]
-        per_batch = len(batches) == len(samples) > 0 and sum(len(v) for v in batches) == count
-        hint = (
-            "; values looks like per-batch outputs: torch.cat them along dim 0 before calling gather_in_order"
-            if per_batch
-            else "; pass one index per sample (row) of values"
-        )
-        raise ValueError(f"gather_in_order got {len(samples)} values but {count} indices{hint}")
+        hint = _PER_BATCH_HINT if _looks_per_batch(samples, count) else "pass one index per sample (row) of values"
+        raise ValueError(f"gather_in_order got {len(samples)} values but {count} indices; {hint}")
     return samples
 
 

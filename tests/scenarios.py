@@ -113,6 +113,22 @@ class EveryThirdFirst(Sampler[int]):
         return self.size
 
 
+class DivergesAfter:
+    """A batch sampler whose ranks agree on its first ``same`` batches and then draw different ones: as when a
+    sampler draws lazily from a global RNG that each rank's data augmentation also consumes, differently."""
+
+    def __init__(self, same: int, total: int, size: int = DATASET_SIZE) -> None:
+        self.same, self.total, self.size = same, total, size
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[List[int]]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for i in range(self.total):
+            yield [(i + (rank if i >= self.same else 0)) % self.size]
+
+
 def labels_for(size: int = DATASET_SIZE, classes: int = 6) -> List[int]:
     return [i % classes for i in range(size)]
 

@@ -92,6 +92,74 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
             assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
 
 
+class CarelessEmbedder(Embedder):
+    """Gathers the outputs of its one custom-sampler loader as asked: ``"per_batch"`` forgets ``torch.cat``,
+    ``"skipped_batch"`` records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit."""
+
+    def __init__(self, out_dir: str, case: str) -> None:
+        super().__init__(out_dir)
+        self.case = case
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not (self.case == "skipped_batch" and batch_idx == 0):
+            super().validation_step(batch, batch_idx, dataloader_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        outputs, self.outputs[0] = self.outputs[0], []
+        values = outputs if self.case == "per_batch" else torch.cat(outputs)
+        strategy: Any = self.trainer.strategy
+        gathered = strategy.gather_in_order(values)
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(
+            json.dumps({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
+        )
+
+
+@pytest.mark.parametrize(
+    "case,error",
+    [
+        ("per_batch", "values looks like per-batch outputs: torch.cat them"),
+        ("skipped_batch", "from every batch, in the order the batches came"),
+        ("limited", None),
+        ("sanity", None),
+    ],
+)
+def test_strategy_gather_checks_values_against_the_evaluated_batches(
+    tmp_path: Path, case: str, error: Optional[str]
+) -> None:
+    """The strategy knows how many batches each rank evaluated, so values that do not cover them (a per-batch
+    list, a batch left out) fail on every rank instead of being filed under the wrong indices; fewer batches
+    than dealt (limit_val_batches, the sanity check) gather what they evaluated."""
+    model = CarelessEmbedder(str(tmp_path), case)
+    loader = loaders()[1]  # LengthBuckets: 9 batches, 5 on rank 0 and 4 on rank 1 in "exact" mode
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    if case == "sanity":
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(
+            max_epochs=1, limit_train_batches=1, num_sanity_val_steps=2, check_val_every_n_epoch=2
+        ))
+        trainer.fit(model, loader, loader)
+    else:
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0))
+        if error is not None:
+            with pytest.raises(Exception, match=f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"):
+                trainer.validate(model, loader)
+            return
+        trainer.validate(model, loader)
+    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    batches = [list(b) for b in loader.batch_sampler]
+    first_two = [batches[r::2][:2] for r in range(2)]  # two batches a rank, in both cases (lr is 0)
+    evaluated = sorted(i for share in first_two for batch in share for i in batch)
+    with torch.no_grad():
+        expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
+    for report in reports:
+        assert torch.allclose(torch.tensor(report["gathered"]), expected, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "strategy_class,where",
     [("CustomDDP", "step"), ("CustomDDP", "batch_end"), ("CustomDDPSharded", "step")],  # the sharded step is its own

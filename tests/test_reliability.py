@@ -308,6 +308,9 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
             first = resume_edge_runs[f"{run}_first"][rank]["seen"][key]
             parts = first[: len(first) - rerun] + resume_edge_runs[f"{run}_{resumed}"][rank]["seen"][key]
             assert parts == whole, f"rank {rank}, loader {loader}: interrupted and resumed {parts} != {whole}"
+    if run == "cycled":  # "b" ran out before the checkpoint: the mode it assumes is said ("max_size" would differ)
+        warned = resume_edge_runs["cycled_resumed"][0]["facts"]["warnings"]
+        assert any("restarted it when it ran out, so it resumes 1 batch(es)" in line for line in warned), warned
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

@@ -6,6 +6,7 @@ same indices, keep the same items, deal the same shares, count the same, and rai
 """
 from __future__ import annotations
 
+import gc
 import operator
 import weakref
 from pathlib import Path
@@ -253,6 +254,50 @@ def test_dealing_is_the_same_on_both_paths(
         assert len({count for _, count in compiled}) == 1, "ranks yielded different numbers of items before the error"
     monkeypatch.setattr(_store, "_compact", None)
     assert deal() == compiled
+
+
+@pytest.mark.parametrize("shuffle_window", [1, 4])
+def test_a_bad_digest_sample_stops_both_paths_after_the_same_items(
+    monkeypatch: pytest.MonkeyPatch, shuffle_window: int
+) -> None:
+    """Past the head, the digest hashes one sampled item a block. C hashes it as it reads it and has yielded
+    the block's earlier windows by then; the Python path reads the block first, and yields those windows
+    before it raises too, so ranks on either path (a node built without a compiler) stay in step."""
+    if _store._compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+
+    class TurnsBad:
+        def __len__(self) -> int:
+            return 20_000
+
+        def __iter__(self) -> Iterator[Any]:
+            return ([i] if i < 3_000 else "not a batch" for i in range(20_000))
+
+    def deal() -> List[int]:
+        counts = []
+        for rank in range(2):
+            yielded: List[Any] = []
+            wrapper = DistributedBatchSamplerWrapper(TurnsBad(), 2, rank, shuffle=True, shuffle_window=shuffle_window)
+            with pytest.raises(TypeError, match="TurnsBad yielded 'not a batch'"):
+                yielded.extend(wrapper)
+            counts.append(len(yielded))
+        return counts
+
+    compiled = deal()
+    assert compiled[0] == compiled[1] > 1_000
+    monkeypatch.setattr(_store, "_compact", None)
+    assert deal() == compiled
+
+
+def test_a_batch_whose_len_disagrees_with_its_iteration_is_stored_as_it_iterates(path: str) -> None:
+    class LenSaysOne(list):
+        def __len__(self) -> int:
+            return 1
+
+    batches = [[0], LenSaysOne([1, 2, 3]), [4]]
+    store = CompactStore(batched=True, owner="Sampler")
+    store.read(iter(batches), bytes([STORE]) * 3)
+    assert stored(store) == [[0], [1, 2, 3], [4]]
 
 
 @pytest.mark.parametrize("actual", [7000, 5501, -5501])  # right, short and failing inside the third chunk
@@ -516,3 +561,27 @@ def test_the_window_dealer_refuses_next_from_inside_its_own_read() -> None:
     with pytest.raises(RuntimeError, match="WindowDealer is reading a window"):
         next(dealer)
     assert list(dealer) == []  # exhausted after the error, as after any other
+
+
+def test_a_reference_cycle_through_the_window_dealer_is_collected() -> None:
+    """A dealer holding tuples that refer back to it: tuples cannot break a cycle, so the dealer must
+    (tp_clear), or the garbage collector leaves every such cycle alive."""
+    compact = _store._compact
+    if compact is None:
+        pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+
+    def alive() -> int:
+        return sum(type(o) is compact.WindowDealer for o in gc.get_objects())
+
+    def make_cycle() -> None:
+        box: List[Any] = []
+        dealer = compact.WindowDealer(((box[0],) for _ in range(40)), None, 4, 2, 0, 0, 10, NO_SAMPLES, None)
+        box.append(dealer)
+        next(dealer)  # it holds a (dealer,) tuple now
+
+    gc.collect()
+    before = alive()
+    for _ in range(50):
+        make_cycle()
+    gc.collect()
+    assert alive() == before

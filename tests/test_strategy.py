@@ -17,6 +17,7 @@ from scenarios import (
     DATASET_SIZE,
     TEST_PG_TIMEOUT,
     CountingDDP,
+    DivergesAfter,
     IndexDataset,
     LengthBuckets,
     PKBatches,
@@ -111,6 +112,28 @@ def test_unseeded_sampler_fails_before_the_first_optimizer_step(tmp_path: Path) 
         trainer.fit(Recorder(str(tmp_path)), loader)
     assert "PKBatches" in str(raised.value) and "Seed the sampler" in str(raised.value)
     assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
+
+
+def test_a_sampler_diverging_inside_the_head_fails_before_the_first_optimizer_step(tmp_path: Path) -> None:
+    """The ranks agree on the first round only: the first check compares the whole head (64 batches), which the
+    wrapper reads before it yields its first batch."""
+    loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=2, total=80))
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    with pytest.raises(Exception, match="DivergesAfter does not produce the same sequence on every rank"):
+        trainer.fit(Recorder(str(tmp_path)), loader)
+    assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
+
+
+@pytest.mark.parametrize("max_epochs", [1, 2])
+def test_a_sampler_diverging_after_the_head_fails_at_the_end_of_its_epoch(tmp_path: Path, max_epochs: int) -> None:
+    """Past the head, the digest samples the sequence; Lightning stops at the last batch (it knows the length),
+    so the wrapper takes the epoch's digest when it deals its final block, and the next epoch's first step, or
+    the end of training, compares it."""
+    loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=70, total=80))
+    val = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=80, total=80))  # consistent: no false alarm
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=max_epochs))
+    with pytest.raises(Exception, match="the sequences it yielded in epoch 0 differ between rank 0 and rank 1"):
+        trainer.fit(Recorder(str(tmp_path)), loader, val)
 
 
 def test_empty_batch_sampler_is_a_clear_error(tmp_path: Path) -> None:
