@@ -92,10 +92,11 @@ def gather_in_order(
     repeated sample produced the same value both times. The copy from the lowest rank is kept.
 
     A padded sample is computed on another rank in a batch of another size, and kernels round differently for
-    different batch sizes, so "the same value" allows for rounding: floating-point and complex tensors agree
-    when every element is within ``sqrt(eps)`` of their dtype times the sample's largest finite magnitude
-    (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. Integer and bool tensors and other
-    objects must be equal (``==``), and tensors and numpy arrays must have the same dtype and shape.
+    different batch sizes, so "the same value" allows for rounding: floating-point and complex tensors (and
+    numpy arrays) agree when every element is within ``sqrt(eps)`` of their dtype times the sample's largest
+    finite magnitude (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. Integer and bool
+    tensors and other objects, Python floats included, must be equal (``==``), and tensors and numpy arrays
+    must have the same dtype and shape.
 
     Args:
         values: This rank's outputs: a tensor whose first dim runs over samples, or a sequence of per-sample
@@ -654,7 +655,18 @@ def _dedupe_in_order(
         )
     conflicts = sorted_index[repeats[differs]].unique().tolist()
     if conflicts:
-        raise ValueError(f"gather_in_order: different values for the same index: {_listing([str(i) for i in conflicts])}")
+        hint = ""
+        if not isinstance(values, torch.Tensor):
+            position = order[repeats[differs][0]].item()
+            if _holds_plain_float(values[int(position)]):
+                hint = (
+                    "; its values hold Python floats, which are compared exactly, but a padded sample computed in a"
+                    " batch of another size rounds differently: pass tensors (or numpy arrays), which are compared"
+                    " with a tolerance, not .tolist() of them"
+                )
+        raise ValueError(
+            f"gather_in_order: different values for the same index: {_listing([str(i) for i in conflicts])}{hint}"
+        )
 
     unique = sorted_index[first]
     if dataset_size is not None:
@@ -698,9 +710,21 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.isclose(a, b, rtol=0, atol=0, equal_nan=True) | ((a - b).abs() <= tolerance)).all(dim=1)
 
 
+_TORCH_FLOAT_DTYPES = tuple(map(np.dtype, ("float16", "float32", "float64", "complex64", "complex128")))
+
+
+def _holds_plain_float(value: Any) -> bool:
+    """Whether ``value`` is, or its dicts, lists and tuples hold, a Python or numpy float scalar."""
+    if isinstance(value, (float, complex, np.floating, np.complexfloating)):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(map(_holds_plain_float, value))
+
+
 def _same(a: Any, b: Any) -> bool:
-    """Equality for per-sample objects: tensors as in :func:`_close_rows`, numpy arrays and the rest exactly (arrays
-    of the same dtype and shape); dicts, lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) and
+    """Equality for per-sample objects: tensors and floating-point numpy arrays as in :func:`_close_rows`, other
+    arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) and
     arrays of objects item by item, by these rules. An object is the same as itself, and NaNs match (floats,
     complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
@@ -722,6 +746,9 @@ def _same(a: Any, b: Any) -> bool:
             return all(_same(a[name], b[name]) for name in a.dtype.names)
         if a.dtype == object:  # element by element, by these rules (NaN, tensors inside)
             return all(map(_same, np.asarray(a).flat, np.asarray(b).flat))
+        if a.dtype in _TORCH_FLOAT_DTYPES:  # with the tolerance of tensors (which have no float128)
+            rows = [torch.from_numpy(np.ascontiguousarray(x).reshape(1, -1)) for x in (a, b)]
+            return bool(_close_rows(*rows).item())
         try:
             return bool(np.array_equal(a, b, equal_nan=True))
         except TypeError:  # equal_nan needs numbers: strings and the like are compared as they are

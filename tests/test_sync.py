@@ -766,6 +766,12 @@ def test_gather_in_order_locally_tolerates_rounding_only() -> None:
             gather_in_order(torch.cat([x[:1].to(different.dtype), different]), [0, 0])
     with pytest.raises(ValueError, match="different values"):
         gather_in_order([x[0], x[0].double()], [4, 4])  # another dtype is another value
+    # Floating-point numpy arrays as tensors; Python floats exactly, with an error that says why
+    _assert_same(torch.from_numpy(gather_in_order([x[0].numpy(), up[0].numpy()], [4, 4])[0]), x[0])
+    with pytest.raises(ValueError, match="different values"):
+        gather_in_order([x[0].numpy(), (x[0] * (1 + 1e-3)).numpy()], [4, 4])
+    with pytest.raises(ValueError, match="its values hold Python floats, which are compared exactly.* not .tolist"):
+        gather_in_order([x[0].tolist(), up[0].tolist()], [4, 4])
 
 
 @pytest.mark.usefixtures("no_process_group")
