@@ -8,6 +8,7 @@ error's message safe to send to the other ranks. No Lightning import here.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator, List, Optional, Tuple
@@ -33,16 +34,28 @@ def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
     if isinstance(obj, dict):
         for key, value in obj.items():
             yield f"[{key!r}]", value
+            yield f"key {key!r}", key
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for index, value in enumerate(obj):
             yield f"[{index}]", value
+    elif isinstance(obj, functools.partial):
+        yield ".func", obj.func
+        yield from ((f".args[{index}]", value) for index, value in enumerate(obj.args))
+        yield from ((f".keywords[{key!r}]", value) for key, value in obj.keywords.items())
     else:
-        try:
-            attributes = vars(obj)
-        except TypeError:
-            return
-        for name, value in attributes.items():
-            yield f".{name}", value
+        yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
+        for name in _slot_names(type(obj)):
+            if hasattr(obj, name):
+                yield f".{name}", getattr(obj, name)
+
+
+def _slot_names(cls: type) -> Iterator[str]:
+    """The ``__slots__`` attributes of ``cls`` and its bases (``__dict__`` and ``__weakref__`` aside)."""
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                yield name
 
 
 def unpicklable_path(root: Any, name: str) -> Optional[str]:

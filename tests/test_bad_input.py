@@ -7,6 +7,7 @@ small process-group timeout, a bounded wait and a check that no process outlives
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -322,6 +323,22 @@ def test_unpicklable_sampler_under_spawn_fails_before_any_rank_starts_naming_the
     message = str(raised.value)
     assert "train_dataloaders (DataLoader) -> .batch_sampler (Unpicklable) -> .lock (lock)" in message, message
     assert "strategy='ddp_custom_sampler'" in message, message
+
+
+class SlottedHolder:
+    __slots__ = ("guard",)
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+
+
+def test_the_unpicklable_part_is_found_in_slots_dict_keys_and_partials() -> None:
+    from lightning_ddp_ext._pickling import unpicklable_path
+
+    assert unpicklable_path({"ok": 1}, "x") is None
+    assert unpicklable_path({"s": SlottedHolder()}, "x") == "x (dict) -> ['s'] (SlottedHolder) -> .guard (lock)"
+    assert unpicklable_path({threading.Lock(): 1}, "x").startswith("x (dict) -> key <unlocked _thread.lock")
+    assert unpicklable_path(functools.partial(print, sep=threading.Lock()), "x") == "x (partial) -> .keywords['sep'] (lock)"
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
