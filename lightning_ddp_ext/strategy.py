@@ -668,7 +668,9 @@ class CustomDDP(DDPStrategy):
         Precedence, lowest first: the constructor's options (:attr:`sampler_options`), then the keys of
         :attr:`distributed_sampler_kwargs`, then, for validation and test, ``shuffle=False``, ``pad=True``
         and the share kind of ``eval_mode``: evaluation never drops samples, even with
-        ``pad_to_world_size=False``, which only concerns training.
+        ``pad_to_world_size=False``, which only concerns training. ``shuffle`` and ``shuffle_window`` apply to
+        custom samplers: a loader with a default sampler becomes a ``DistributedSampler`` that shuffles as the
+        loader did (``DataLoader(shuffle=...)``), whatever they say.
         """
         hook = dict(self.distributed_sampler_kwargs)
         unknown = sorted(set(hook) - set(_SAMPLER_KWARGS))
