@@ -6,7 +6,8 @@ written; each rank receives every other batch. After training the script prints 
 rank trained on, checks that the ranks' batches were disjoint and together were exactly the sampler's
 sequence, and reports recall@1 on validation embeddings gathered from both ranks in dataset order.
 
-Run: ``make demo`` (or ``python examples/demo_pk_digits.py`` in an environment with the package).
+Run: ``make demo`` (or ``python examples/demo_pk_digits.py`` in an environment with the package and
+scikit-learn, which the ``test`` extra installs).
 """
 from __future__ import annotations
 
