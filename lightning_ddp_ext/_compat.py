@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -105,22 +106,34 @@ def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
     return [] if combined is None else list(combined.flattened)
 
 
-def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int) -> Optional[int]:
-    """How many batches of evaluation loader ``dataloader_idx`` the running validation or test has finished, or
-    None inside a batch (its own count is not updated yet) or when Lightning does not count them.
+def seen_evaluation_batches(trainer: "pl.Trainer") -> Dict[int, int]:
+    """Batches per loader the running validation or test loop has counted since it set its loaders up.
 
-    The evaluation loop counts a loader's batches once their batch-end hooks ran, except in the sanity check,
-    which runs ``trainer.num_sanity_val_batches`` of each loader.
+    The loop counts a batch once its batch-end hooks ran, and not in the sanity check. It resets the counts
+    only when it sets up its loaders, so within a fit they add up over validation runs: read them at a run's
+    start and subtract (see :func:`evaluated_batches`).
     """
-    if inside_evaluation_batch(trainer):
+    stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
+    return dict(getattr(_running_loop(trainer, stage), "_seen_batches_per_dataloader", None) or {})
+
+
+def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int, seen_at_start: Dict[int, int]) -> Optional[int]:
+    """How many batches of evaluation loader ``dataloader_idx`` the running validation or test has finished, or
+    None when that is not known: inside a batch (its count is not updated yet), or with a step that takes the
+    ``dataloader_iter`` (it may read any number of batches per step). ``seen_at_start``: what
+    :func:`seen_evaluation_batches` said when this run started. The sanity check runs
+    ``trainer.num_sanity_val_batches`` of each loader.
+    """
+    stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
+    loop = _running_loop(trainer, stage)
+    if inside_evaluation_batch(trainer) or isinstance(getattr(loop, "_data_fetcher", None), _DataLoaderIterDataFetcher):
         return None
     if trainer.sanity_checking:
         planned = trainer.num_sanity_val_batches
         count = planned[dataloader_idx] if 0 <= dataloader_idx < len(planned) else None
         return int(count) if isinstance(count, int) or (isinstance(count, float) and count.is_integer()) else None
-    stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
-    seen = getattr(_running_loop(trainer, stage), "_seen_batches_per_dataloader", None)
-    return None if seen is None else int(seen.get(dataloader_idx, 0))
+    seen = seen_evaluation_batches(trainer)
+    return seen.get(dataloader_idx, 0) - seen_at_start.get(dataloader_idx, 0)
 
 
 def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:

@@ -120,11 +120,10 @@ class CompactStore:
                 return
             if any(isinstance(item, (str, bytes)) for item in items):
                 raise TypeError  # they iterate as characters or small ints, but are no index batches
-            lengths = list(map(len, items))
-            values = list(chain.from_iterable(items))
-            if sum(lengths) != len(values):
-                raise TypeError  # an item whose len() disagrees with its iteration: take each as it iterates
-            self._append_values(values)
+            # Lengths from what iteration gives: only an exact list or tuple's len() is sure to agree with it.
+            parts = [item if type(item) in (list, tuple) else list(item) for item in items]
+            lengths = list(map(len, parts))
+            self._append_values(list(chain.from_iterable(parts)))
         except (TypeError, ValueError, OverflowError):
             for item in items:  # one at a time, to name the item that is not an index (_convert raises)
                 self._append_values(array("q", self._convert(item)).tolist())

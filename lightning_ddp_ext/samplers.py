@@ -632,17 +632,14 @@ class _PlanSpan(NamedTuple):
 
 
 def _plan_ranges(windows: int, window: int, head_windows: int) -> Iterator[tuple[int, int]]:
-    """Split ``windows`` windows into ranges planned (or dealt) in one go: the first window on its own (the
-    first batch waits for one small plan whatever the epoch's length), the rest of the windows that hold the
-    head, then 8, 64, ... windows up to ``_MAX_PERMUTATION_ELEMENTS`` positions (a short epoch needs few numpy
-    calls, and a plan's arrays stay small), and the epoch's last window on its own. Every range between the
-    head and the last window holds only whole windows that every rank reads alike: the C helper deals them.
-    Blocks start at each range's first window."""
-    first = 0
-    for end in (1, head_windows):  # the first window, then the rest of the head
-        if first < min(end, windows):
-            yield first, min(end, windows)
-            first = min(end, windows)
+    """Split ``windows`` windows into ranges planned (or dealt) in one go: the windows that hold the head (one
+    block, read whole before the first batch, so that the first check compares the whole head; a small plan
+    whatever the epoch's length), then 8, 64, ... windows up to ``_MAX_PERMUTATION_ELEMENTS`` positions (a
+    short epoch needs few numpy calls, and a plan's arrays stay small), and the epoch's last window on its
+    own. Every range between the head and the last window holds only whole windows that every rank reads
+    alike: the C helper deals them. Blocks start at each range's first window."""
+    first = min(head_windows, windows)
+    yield 0, first
     size = _PLAN_GROWTH
     while first < windows - 1:
         end = min(windows - 1, first + size)

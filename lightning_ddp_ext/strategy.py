@@ -235,6 +235,7 @@ class CustomDDP(DDPStrategy):
         self._replace_samplers = True
         self._said_no_replacement = False
         self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
+        self._seen_at_start: Dict[int, int] = {}  # the evaluation loop's batch counts when the run started
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
@@ -724,11 +725,11 @@ class CustomDDP(DDPStrategy):
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
         if not isinstance(dataloader, DataLoader):
             self._warn_unsharded(dataloader, stage)
-        if patched is None:
-            return dataloader
-        wrapper = _wrapper_of(patched)
+        wrapper = _wrapper_of(patched if patched is not None else dataloader)
         if wrapper is not None and not training:
             wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
+        if patched is None:  # not dealt here: its user's (possibly with our wrapper), or not a DataLoader
+            return dataloader
         if patched is dataloader:  # an empty split: nothing was dealt
             return patched
         if wrapper is not None and not training and not wrapper.even_shares:
@@ -869,12 +870,18 @@ class CustomDDP(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._evaluating = True
+        self._seen_at_start = self._seen_evaluation_batches()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
         self._evaluating = True
+        self._seen_at_start = self._seen_evaluation_batches()
         super().on_test_start()
+
+    def _seen_evaluation_batches(self) -> Dict[int, int]:
+        trainer = self._attached_trainer
+        return {} if trainer is None else _compat.seen_evaluation_batches(trainer)
 
     @override
     def on_validation_end(self) -> None:
@@ -933,6 +940,7 @@ class CustomDDP(DDPStrategy):
         anything else (per-batch outputs, a batch left out) raises ``ValueError`` on every rank. Padding repeats
         are dropped before gathering. Call it on every rank, e.g. from ``on_validation_epoch_end``.
         """
+        self._refuse_collective_inside_exact_evaluation("gather_in_order")
         indices = self.evaluated_indices(dataloader_idx)
         evaluated = self._evaluated_samples(dataloader_idx)
         if evaluated is None:  # inside a batch: what was evaluated so far, as many as values has
@@ -955,7 +963,7 @@ class CustomDDP(DDPStrategy):
         """How many samples, padding included, the batches of loader ``dataloader_idx`` evaluated so far in this
         run hold; None inside a batch or where the loader's batches are not known."""
         trainer = self._attached_trainer
-        batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx)
+        batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx, self._seen_at_start)
         if batches is None:
             return None
         loader = self._evaluation_loader(dataloader_idx)

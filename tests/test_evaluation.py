@@ -93,18 +93,24 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
 
 
 class CarelessEmbedder(Embedder):
-    """Gathers the outputs of its one custom-sampler loader as asked: ``"per_batch"`` forgets ``torch.cat``,
-    ``"skipped_batch"`` records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit."""
+    """Gathers the outputs of its one loader as asked: ``"per_batch"`` forgets ``torch.cat``, ``"skipped_batch"``
+    records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit, ``"two_epochs"`` after
+    each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself,
+    ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator."""
 
     def __init__(self, out_dir: str, case: str) -> None:
         super().__init__(out_dir)
         self.case = case
+        self.reports: List[Any] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def val_dataloader(self) -> DataLoader:
+        return lightning_ddp_ext.patch_dataloader_to_ddp(loaders()[1], even_shares=False)  # as the guide shows
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not (self.case == "skipped_batch" and batch_idx == 0):
@@ -115,9 +121,18 @@ class CarelessEmbedder(Embedder):
         values = outputs if self.case == "per_batch" else torch.cat(outputs)
         strategy: Any = self.trainer.strategy
         gathered = strategy.gather_in_order(values)
-        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(
-            json.dumps({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
-        )
+        self.reports.append({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
+        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.reports))
+
+
+class TwoBatchesAStep(CarelessEmbedder):
+    def validation_step(self, dataloader_iter: Any) -> None:  # type: ignore[override]
+        for _ in range(2):
+            try:
+                x, _ = next(dataloader_iter)[0]
+            except StopIteration:
+                return
+            self.outputs[0].append(self.net(x))
 
 
 @pytest.mark.parametrize(
@@ -127,37 +142,70 @@ class CarelessEmbedder(Embedder):
         ("skipped_batch", "from every batch, in the order the batches came"),
         ("limited", None),
         ("sanity", None),
+        ("two_epochs", None),
+        ("user_dealt", None),
+        ("dataloader_iter", None),
     ],
 )
 def test_strategy_gather_checks_values_against_the_evaluated_batches(
     tmp_path: Path, case: str, error: Optional[str]
 ) -> None:
-    """The strategy knows how many batches each rank evaluated, so values that do not cover them (a per-batch
-    list, a batch left out) fail on every rank instead of being filed under the wrong indices; fewer batches
-    than dealt (limit_val_batches, the sanity check) gather what they evaluated."""
-    model = CarelessEmbedder(str(tmp_path), case)
+    """The strategy knows how many batches each rank evaluated in this run, so values that do not cover them (a
+    per-batch list, a batch left out) fail on every rank instead of being filed under the wrong indices; fewer
+    batches than dealt (limit_val_batches, the sanity check, a later validation run of a fit, whose counts
+    Lightning adds up) gather what they evaluated."""
+    model = (TwoBatchesAStep if case == "dataloader_iter" else CarelessEmbedder)(str(tmp_path), case)
     loader = loaders()[1]  # LengthBuckets: 9 batches, 5 on rank 0 and 4 on rank 1 in "exact" mode
+    plain = DataLoader(IndexDataset(SIZE), batch_size=4)
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    if case == "sanity":
-        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(
-            max_epochs=1, limit_train_batches=1, num_sanity_val_steps=2, check_val_every_n_epoch=2
-        ))
-        trainer.fit(model, loader, loader)
+    runs, batches_a_run = 1, 2  # how many validation runs, and batches a rank evaluates in each
+    if case in ("sanity", "two_epochs"):
+        fit_options = dict(max_epochs=2, limit_val_batches=2) if case == "two_epochs" else dict(
+            max_epochs=1, num_sanity_val_steps=2, check_val_every_n_epoch=2
+        )
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_train_batches=1, **fit_options))
+        runs = 2 if case == "two_epochs" else 1
+        trainer.fit(model, loader, plain if case == "two_epochs" else loader)
     else:
         trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0))
         if error is not None:
             with pytest.raises(Exception, match=f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"):
                 trainer.validate(model, loader)
             return
-        trainer.validate(model, loader)
+        if case == "user_dealt":
+            trainer.validate(model)
+            batches_a_run = 5
+        else:
+            trainer.validate(model, loader)
+            batches_a_run = 5 if case == "dataloader_iter" else 2
     reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    batches = [list(b) for b in loader.batch_sampler]
-    first_two = [batches[r::2][:2] for r in range(2)]  # two batches a rank, in both cases (lr is 0)
-    evaluated = sorted(i for share in first_two for batch in share for i in batch)
-    with torch.no_grad():
-        expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
-    for report in reports:
-        assert torch.allclose(torch.tensor(report["gathered"]), expected, atol=1e-6)
+    dealt = [list(b) for b in loader.batch_sampler]
+    for run in range(runs):
+        if case == "two_epochs":  # a default sampler deals samples: rank r takes r, r + 2, ..., 4 to a batch
+            owns = [list(range(r, SIZE, 2))[: 4 * batches_a_run] for r in range(2)]
+        else:  # batches r, r + 2, ... (exact mode: no padding)
+            owns = [[i for batch in dealt[r::2][:batches_a_run] for i in batch] for r in range(2)]
+        for rank, own in enumerate(owns):  # the loader may have yielded more than was evaluated (prefetching)
+            assert reports[rank][run]["evaluated"][: len(own)] == own, (run, rank)
+        evaluated = sorted(owns[0] + owns[1])
+        with torch.no_grad():
+            expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
+        for report in reports:
+            assert torch.allclose(torch.tensor(report[run]["gathered"]), expected, atol=1e-6)
+
+
+class GathersEveryBatch(Embedder):
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.trainer.strategy.gather_in_order(torch.cat(self.outputs[0]))  # type: ignore[attr-defined]
+
+
+def test_gather_in_order_inside_an_exact_evaluation_batch_is_refused(tmp_path: Path) -> None:
+    """Ranks evaluate different numbers of batches in "exact" mode: a gather in a batch hook would pair rank 0's
+    extra batch with another rank's next collective."""
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
+    with pytest.raises(Exception, match="gather_in_order\\(\\) was called inside a validation/test batch"):
+        trainer.validate(GathersEveryBatch(str(tmp_path)), loaders()[1])
 
 
 @pytest.mark.parametrize(

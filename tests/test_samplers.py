@@ -211,10 +211,10 @@ def test_plan_ranges_set_the_head_and_the_last_window_apart() -> None:
     the last window alone: the C helper deals every range between the head and the last window."""
     assert list(_plan_ranges(1, 32, 2)) == [(0, 1)]
     assert list(_plan_ranges(2, 32, 1)) == [(0, 1), (1, 2)]
-    assert list(_plan_ranges(3, 32, 5)) == [(0, 1), (1, 3)]  # the head covers the epoch
-    assert list(_plan_ranges(100, 32, 2)) == [(0, 1), (1, 2), (2, 10), (10, 74), (74, 99), (99, 100)]
+    assert list(_plan_ranges(3, 32, 5)) == [(0, 3)]  # the head covers the epoch
+    assert list(_plan_ranges(100, 32, 2)) == [(0, 2), (2, 10), (10, 74), (74, 99), (99, 100)]
     assert list(_plan_ranges(100, 128, 1)) == [(0, 1), (1, 9), (9, 73), (73, 99), (99, 100)]
-    assert list(_plan_ranges(5000, 32, 2))[4:] == [(74, 586), (586, 2634), (2634, 4682), (4682, 4999), (4999, 5000)]
+    assert list(_plan_ranges(5000, 32, 2))[3:] == [(74, 586), (586, 2634), (2634, 4682), (4682, 4999), (4999, 5000)]
 
 
 def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
@@ -310,7 +310,7 @@ def test_user_object_is_not_mutated_or_rebuilt() -> None:
 
 def test_streaming_reads_only_the_head_before_the_first_batch() -> None:
     """However long the epoch, the first batch comes after a bounded read: the head that the first consistency
-    check compares (64 items unshuffled), or the first window block."""
+    check compares, 64 items (with a window, the whole windows that hold them)."""
     reads: List[int] = []
 
     class Counting:
@@ -326,7 +326,10 @@ def test_streaming_reads_only_the_head_before_the_first_batch() -> None:
     assert first == [2] and len(reads) == 64
     reads.clear()
     next(iter(DistributedBatchSamplerWrapper(Counting(), 4, 1, shuffle=True, shuffle_window=8)))
-    assert len(reads) == 32
+    assert len(reads) == 64
+    reads.clear()
+    next(iter(DistributedBatchSamplerWrapper(Counting(), 4, 1, shuffle=True, shuffle_window=20)))
+    assert len(reads) == 80  # one window holds the head
 
 
 # --------------------------------------------------------------------------- bad input

@@ -294,10 +294,14 @@ def test_a_batch_whose_len_disagrees_with_its_iteration_is_stored_as_it_iterates
         def __len__(self) -> int:
             return 1
 
-    batches = [[0], LenSaysOne([1, 2, 3]), [4]]
+    class LenSaysThree(list):
+        def __len__(self) -> int:
+            return 3
+
+    batches = [[0], LenSaysOne([1, 2, 3]), [4], LenSaysThree([5, 6]), LenSaysOne([7, 8])]  # the last two cancel out
     store = CompactStore(batched=True, owner="Sampler")
-    store.read(iter(batches), bytes([STORE]) * 3)
-    assert stored(store) == [[0], [1, 2, 3], [4]]
+    store.read(iter(batches), bytes([STORE]) * 5)
+    assert stored(store) == [[0], [1, 2, 3], [4], [5, 6], [7, 8]]
 
 
 @pytest.mark.parametrize("actual", [7000, 5501, -5501])  # right, short and failing inside the third chunk

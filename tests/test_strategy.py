@@ -114,14 +114,29 @@ def test_unseeded_sampler_fails_before_the_first_optimizer_step(tmp_path: Path) 
     assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
 
 
-def test_a_sampler_diverging_inside_the_head_fails_before_the_first_optimizer_step(tmp_path: Path) -> None:
+class MarksItsSteps(Recorder):
+    """A Recorder that leaves a file for every training step it takes, at once (a Recorder writes at teardown)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        Path(self.out_dir, f"step{self.global_rank}-{self.global_step}").touch()
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("shuffle_window", [None, 1, 8])
+def test_a_sampler_diverging_inside_the_head_fails_before_the_first_optimizer_step(
+    tmp_path: Path, shuffle_window: Optional[int]
+) -> None:
     """The ranks agree on the first round only: the first check compares the whole head (64 batches), which the
-    wrapper reads before it yields its first batch."""
+    wrapper reads before it yields its first batch, in order or shuffled within windows."""
     loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=2, total=80))
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
+    strategy = CustomDDP(
+        start_method="spawn", timeout=TEST_PG_TIMEOUT, shuffle_batches_between_ranks=shuffle_window is not None,
+        shuffle_window=shuffle_window,
+    )
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
     with pytest.raises(Exception, match="DivergesAfter does not produce the same sequence on every rank"):
-        trainer.fit(Recorder(str(tmp_path)), loader)
-    assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
+        trainer.fit(MarksItsSteps(str(tmp_path)), loader)
+    assert not list(tmp_path.glob("step*")), "training went on with overlapping shares"
 
 
 @pytest.mark.parametrize("max_epochs", [1, 2])
