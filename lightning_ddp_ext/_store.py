@@ -120,6 +120,8 @@ class CompactStore:
                 return
             if any(isinstance(item, (str, bytes)) for item in items):
                 raise TypeError  # they iterate as characters or small ints, but are no index batches
+            for _ in map(len, items):  # what has no len() is no index batch (an iterator): named one by one below
+                pass
             # Lengths from what iteration gives: only an exact list or tuple's len() is sure to agree with it.
             parts = [item if type(item) in (list, tuple) else list(item) for item in items]
             lengths = list(map(len, parts))

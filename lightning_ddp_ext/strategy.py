@@ -132,6 +132,11 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
     return reduce_op is not None and reduce_op == dist.ReduceOp.AVG
 
 
+#: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
+#: Module-level, not on the strategy, which spawn pickles.
+_TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
+
+
 def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
     """``wrapper``'s last whole-epoch digest, when every rank takes it. With unequal shares (``eval_mode="exact"``)
     a rank without an item in the last round never asks for that round, so only some ranks would have it."""
@@ -726,8 +731,10 @@ class CustomDDP(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             self._warn_unsharded(dataloader, stage)
         wrapper = _wrapper_of(patched if patched is not None else dataloader)
-        if wrapper is not None and not training:
-            wrapper.record_yielded = True  # for evaluated_indices(); evaluation shares are small
+        if wrapper is not None:  # for evaluated_indices(): evaluation shares are small, a training epoch may not be
+            if training:  # a loader its user dealt may serve both: training wins, whichever was set up first
+                _TRAINING_WRAPPERS.add(wrapper)
+            wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
         if patched is None:  # not dealt here: its user's (possibly with our wrapper), or not a DataLoader
             return dataloader
         if patched is dataloader:  # an empty split: nothing was dealt
@@ -919,6 +926,12 @@ class CustomDDP(DDPStrategy):
         loader = self._evaluation_loader(dataloader_idx)
         wrapper = _wrapper_of(loader)
         if wrapper is not None:
+            if not wrapper.record_yielded:
+                raise RuntimeError(
+                    f"evaluation loader {dataloader_idx} is a training loader too, so it does not keep what it yields"
+                    " (a whole training epoch's share): give validation a loader of its own to use"
+                    " evaluated_indices() or gather_in_order()."
+                )
             real: List[Any] = wrapper.yielded[: wrapper.real_share_length()]
             if isinstance(wrapper, DistributedBatchSamplerWrapper):
                 return [int(i) for batch in real for i in batch]
@@ -937,8 +950,10 @@ class CustomDDP(DDPStrategy):
 
         ``values`` are this rank's outputs in the order its loader yielded the samples (a tensor with one row
         per sample, or a list), one for each sample of the batches it evaluated in this run, padding included:
-        anything else (per-batch outputs, a batch left out) raises ``ValueError`` on every rank. Padding repeats
-        are dropped before gathering. Call it on every rank, e.g. from ``on_validation_epoch_end``.
+        anything else (per-batch outputs, a batch left out) raises ``ValueError`` on every rank (a step that takes
+        the ``dataloader_iter`` is not checked: it may read any number of batches). Padding repeats are dropped
+        before gathering. Call it on every rank, e.g. from ``on_validation_epoch_end``, not inside a batch with
+        ``eval_mode="exact"`` (refused, as other collectives are there).
         """
         self._refuse_collective_inside_exact_evaluation("gather_in_order")
         indices = self.evaluated_indices(dataloader_idx)

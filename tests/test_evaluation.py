@@ -110,7 +110,14 @@ class CarelessEmbedder(Embedder):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def val_dataloader(self) -> DataLoader:
+        if self.case == "shared":  # one loader, dealt by its user, for training and validation
+            if not hasattr(self, "shared"):
+                self.shared = lightning_ddp_ext.patch_dataloader_to_ddp(loaders()[1])
+            return self.shared
         return lightning_ddp_ext.patch_dataloader_to_ddp(loaders()[1], even_shares=False)  # as the guide shows
+
+    def train_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not (self.case == "skipped_batch" and batch_idx == 0):
@@ -145,6 +152,7 @@ class TwoBatchesAStep(CarelessEmbedder):
         ("two_epochs", None),
         ("user_dealt", None),
         ("dataloader_iter", None),
+        ("shared", "is a training loader too, so it does not keep what it yields"),
     ],
 )
 def test_strategy_gather_checks_values_against_the_evaluated_batches(
@@ -159,6 +167,11 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
     plain = DataLoader(IndexDataset(SIZE), batch_size=4)
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
     runs, batches_a_run = 1, 2  # how many validation runs, and batches a rank evaluates in each
+    if case == "shared":  # a training epoch's share is not kept: an error that says so, not a wrong gather
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
+        with pytest.raises(Exception, match=error):
+            trainer.fit(model)
+        return
     if case in ("sanity", "two_epochs"):
         fit_options = dict(max_epochs=2, limit_val_batches=2) if case == "two_epochs" else dict(
             max_epochs=1, num_sanity_val_steps=2, check_val_every_n_epoch=2
