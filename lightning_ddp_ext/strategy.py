@@ -958,12 +958,10 @@ class CustomDDP(DDPStrategy):
         self._refuse_collective_inside_exact_evaluation("gather_in_order")
         indices = self.evaluated_indices(dataloader_idx)
         evaluated = self._evaluated_samples(dataloader_idx)
-        if evaluated is None:  # inside a batch: what was evaluated so far, as many as values has
-            count = min(len(values), len(indices))
-            return _gather_in_order(values[:count], indices[:count])
-        count = min(evaluated, len(indices))  # fewer batches than dealt (sanity check, limits) or padding left out
         problem = None
-        if len(values) != evaluated:
+        if evaluated is None:  # not known (inside a batch, a dataloader_iter step): as many as values has
+            evaluated = len(values)
+        elif len(values) != evaluated:
             hint = _PER_BATCH_HINT if _looks_per_batch(values, evaluated) else (
                 "pass one value per evaluated sample (row), from every batch, in the order the batches came: values"
                 " that leave out a batch would be filed under the wrong indices"
@@ -972,6 +970,7 @@ class CustomDDP(DDPStrategy):
                 f"gather_in_order got {len(values)} values for evaluation loader {dataloader_idx}, but this rank"
                 f" evaluated {evaluated} samples of it in this run; {hint}"
             )
+        count = min(evaluated, len(indices))  # fewer batches than dealt (sanity check, limits) or padding left out
         return _gather_in_order(values[:count], indices[:count], problem=problem)
 
     def _evaluated_samples(self, dataloader_idx: int) -> Optional[int]:
