@@ -301,6 +301,12 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
     return bool(states) and isinstance(loader, _Stateful)
 
 
+def training_loader_mode(trainer: "pl.Trainer") -> Optional[str]:
+    """The mode of the fit loop's ``CombinedLoader`` ("max_size_cycle" unless its user chose another); None
+    before the fit loop has combined its training loaders, which it does after processing each of them."""
+    return getattr(getattr(trainer.fit_loop, "_combined_loader", None), "_mode", None)
+
+
 def _last_batch_done(batches: Any) -> bool:
     """Whether the restored batch progress says the epoch's last batch ran its step: ``is_last_batch`` is set
     when that batch is fetched, so a checkpoint written during its step (``OnExceptionCheckpoint``) has it too,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
-from typing import Any, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -184,7 +184,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
-        self._resume: Optional[tuple[int, int]] = None
+        self._resume: Optional[tuple[int, Union[int, Callable[[], int]]]] = None
         #: When True, every item yielded in the current epoch is kept in :attr:`yielded` (for evaluation).
         self.record_yielded = False
         self.yielded: List[T] = []
@@ -255,7 +255,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         return self._epoch_digest
 
     # ------------------------------------------------------------------ iteration
-    def resume_within_epoch(self, epoch: int, done: int) -> None:
+    def resume_within_epoch(self, epoch: int, done: Union[int, Callable[[], int]]) -> None:
         """Make the next iteration, if it is of ``epoch``, skip this rank's first ``done`` items.
 
         For a restart from a mid-epoch checkpoint: those items were trained before it was written. The user's
@@ -263,11 +263,17 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         yield of the first ``done`` items is skipped. ``len()`` is unchanged. The epoch is compared when the
         iteration reads its first item, not when the iterator is made: a loop may make the iterator, then
         finish the epoch without it (the checkpoint was at its end) and call ``set_epoch`` for the next. The
-        first iteration that reads anything uses the skip up, whatever its epoch.
+        first iteration that reads anything uses the skip up, whatever its epoch. ``done`` may be a callable
+        returning the count, for a count that is known only when the iteration starts; it is called then, and
+        only if the epoch matches.
         """
+        if not callable(done):
+            self._check_resume_count(done)
+        self._resume = (epoch, done)
+
+    def _check_resume_count(self, done: int) -> None:
         if not 0 <= done <= len(self):
             raise ValueError(f"done must be in [0, {len(self)}] (this rank's items per epoch), got {done}.")
-        self._resume = (epoch, done)
 
     def __iter__(self) -> Iterator[T]:
         # The work is done per block by generators that yield lists; chain.from_iterable walks each list in C,
@@ -281,7 +287,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """``items`` less the first ones a pending :meth:`resume_within_epoch` skips, if it is for this epoch."""
         resume, self._resume = self._resume, None
         if resume is not None and resume[0] == self.epoch:
-            items = islice(items, resume[1], None)
+            done = resume[1]
+            if callable(done):
+                done = done()
+                self._check_resume_count(done)
+            items = islice(items, done, None)
         yield from items
 
     def _own_blocks(self) -> Iterator[Iterable[T]]:

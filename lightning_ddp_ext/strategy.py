@@ -14,6 +14,7 @@ import os
 import weakref
 import zlib
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Optional, Union
@@ -162,6 +163,13 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
         return items  # whole batches dealt, or automatic batching off: one item per step
     batch_size: int = getattr(batching, "batch_size")
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
+
+
+def _items_in(batches: int, loader: DataLoader, wrapper: _Wrapper) -> int:
+    """The wrapper's items in ``loader``'s first ``batches`` batches: batches themselves, or their samples."""
+    if isinstance(wrapper, DistributedBatchSamplerWrapper):
+        return batches
+    return min(len(wrapper), batches * (loader.batch_size or 1))
 
 
 class CustomDDP(DDPStrategy):
@@ -736,6 +744,8 @@ class CustomDDP(DDPStrategy):
                 _TRAINING_WRAPPERS.add(wrapper)
             wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
         if patched is None:  # not dealt here: its user's (possibly with our wrapper), or not a DataLoader
+            if training and isinstance(dataloader, DataLoader):  # its epoch and resume as if we had dealt it
+                self._prepare_first_epoch(dataloader, trainer)
             return dataloader
         if patched is dataloader:  # an empty split: nothing was dealt
             return patched
@@ -794,7 +804,9 @@ class CustomDDP(DDPStrategy):
         sequence of epoch 0. After a mid-epoch checkpoint, Lightning runs only the batches left in the epoch
         but restarts a plain DataLoader at the epoch's start; the wrapper skips the batches already trained
         instead, so the resumed run sees exactly the batches an uninterrupted one would. A stateful loader
-        (``StatefulDataLoader``) restores its own position, so its wrapper skips nothing.
+        (``StatefulDataLoader``) restores its own position, so its wrapper skips nothing. A loader shorter than
+        the epoch (one of several in a ``CombinedLoader``) that ran out before the checkpoint either starts its
+        pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else loader.sampler
@@ -802,28 +814,37 @@ class CustomDDP(DDPStrategy):
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
         resume = _compat.mid_epoch_resume(trainer)
-        if resume is not None and wrapper is not None and not _compat.restores_loader_position(trainer, loader):
-            resumed_epoch, done = resume
-            # A loader shorter than the epoch is restarted when it runs out (CombinedLoader's "max_size_cycle"):
-            # what it trained of its current pass is what is left over after its whole passes.
-            if done >= len(loader) > 0:
-                rank_zero_warn(
-                    f"{type(self).__name__}: resuming mid-epoch {done} batches in, but this training loader has"
-                    f" {len(loader)} batches per epoch on each rank. CombinedLoader's default mode, 'max_size_cycle',"
-                    f" restarted it when it ran out, so it resumes {done % len(loader)} batch(es) into its current"
-                    " pass. Lightning does not tell the mode while loaders are set up: in mode 'max_size' it ran out"
-                    " instead, and would yield nothing more this epoch, so it trains some batches again. There,"
-                    " resume from an end-of-epoch checkpoint."
-                )
-            done %= max(1, len(loader))
-            items_done = done * (loader.batch_size or 1) if isinstance(wrapper, DistributedSamplerWrapper) else done
-            if 0 < items_done < len(wrapper):
-                wrapper.resume_within_epoch(resumed_epoch, items_done)
-                rank_zero_info(
-                    f"{type(self).__name__}: resuming mid-epoch, {type(wrapper.source).__name__} skips the {done}"
-                    f" batch(es) of epoch {resumed_epoch} trained before the checkpoint (so Lightning's warning that"
-                    " the dataloader is not resumable does not apply to it)."
-                )
+        if resume is None or wrapper is None or _compat.restores_loader_position(trainer, loader):
+            return
+        resumed_epoch, done = resume
+        if 0 < len(loader) <= done:
+            # A loader shorter than the epoch ran out before the checkpoint. What it did then depends on the
+            # CombinedLoader's mode, which Lightning knows only once every loader is processed: decided when the
+            # resumed iteration reads its first item.
+            wrapper.resume_within_epoch(resumed_epoch, partial(self._skip_past_end, trainer, loader, wrapper, done))
+        elif 0 < done < len(loader):
+            wrapper.resume_within_epoch(resumed_epoch, _items_in(done, loader, wrapper))
+            rank_zero_info(
+                f"{type(self).__name__}: resuming mid-epoch, {type(wrapper.source).__name__} skips the {done} batch(es) of epoch"
+                f" {resumed_epoch} trained before the checkpoint (so Lightning's warning that the dataloader is not"
+                " resumable does not apply to it)."
+            )
+
+    def _skip_past_end(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, done: int) -> int:
+        """Items to skip when resuming ``done`` batches into an epoch that ``loader`` is shorter than."""
+        mode, batches = _compat.training_loader_mode(trainer), len(loader)
+        said = (
+            f"{type(self).__name__}: resuming mid-epoch {done} batches in, past the end of"
+            f" {type(wrapper.source).__name__} ({batches} batches per epoch on each rank): in CombinedLoader's mode"
+            f" {mode!r}"
+        )
+        if mode == "max_size":
+            rank_zero_info(f"{said} it ran out before the checkpoint, so it yields nothing more this epoch.")
+            return len(wrapper)
+        # "max_size_cycle" (Lightning's default) restarts a loader each time it runs out.
+        done %= batches
+        rank_zero_info(f"{said} it restarted when it ran out, so it skips the {done} batch(es) of its current pass.")
+        return _items_in(done, loader, wrapper)
 
     def _warn_unsharded(self, dataloader: object, stage: Optional[RunningStage]) -> None:
         kind = type(dataloader).__name__

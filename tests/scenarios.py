@@ -173,7 +173,11 @@ class Recorder(pl.LightningModule):
     def _record(self, stage: str, batch: Any) -> torch.Tensor:
         batches = batch if isinstance(batch, dict) else {"only": batch}
         loss = torch.zeros(())
-        for name, (x, indices) in batches.items():
+        for name, value in batches.items():
+            if value is None:  # a loader that ran out, in CombinedLoader's "max_size" mode
+                self.seen.setdefault(f"{stage}/{name}", []).append([self.current_epoch, None])
+                continue
+            x, indices = value
             self.seen.setdefault(f"{stage}/{name}", []).append([self.current_epoch, indices.tolist()])
             loss = loss + self.layer(x).pow(2).mean()
         return loss

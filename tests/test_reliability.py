@@ -263,6 +263,9 @@ def test_resume_with_loader_workers_trains_the_resumed_epoch(resume_runs_with_wo
         assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
 
 
+USER_DEALT_DONE = 2  # scripts/reliability_resume_edges.py checkpoints the user-dealt run 2 steps into epoch 1
+
+
 @pytest.fixture(scope="module")
 def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[Dict[str, Any]]]:
     out = tmp_path_factory.mktemp("resume_edges")
@@ -270,7 +273,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     (code, log), = finish_jobs({"job": start_job(command, out, job_env())}, out).values()
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
-            "cycled_resumed", "stateful", "stateful_first", "stateful_resumed")
+            "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "user_dealt_resumed", "stateful", "stateful_first", "stateful_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -282,6 +286,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("limited", "resumed_with_workers", ["only"]),
         ("cycled", "resumed", ["a", "b"]),
         ("stateful", "resumed", ["only"]),
+        ("sized", "resumed", ["a", "b"]),
+        ("user_dealt", "resumed", ["only"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
@@ -290,8 +296,10 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     """A checkpoint at the last batch of an epoch that limit_train_batches shortens: Lightning starts the next
     epoch when it resumes, which must be trained whole (its first batches were skipped, as if the resume were
     inside it), also by a loader with workers, whose iterator reads the sampler as soon as it is made. A loader
-    that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass. A StatefulDataLoader
-    restores its own position (Lightning loads its state), so the sampler must not skip its batches again."""
+    that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass; one that ran out in mode
+    "max_size" yields nothing more. A loader its user dealt, with a worker, resumes like one CustomDDP dealt. A
+    StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
+    batches again."""
     if run in ("limited",) and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
             "this Lightning (no restart stages in its training epoch loop, as in 2.2) re-runs the batch whose"
@@ -308,10 +316,14 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
             first = resume_edge_runs[f"{run}_first"][rank]["seen"][key]
             parts = first[: len(first) - rerun] + resume_edge_runs[f"{run}_{resumed}"][rank]["seen"][key]
             assert parts == whole, f"rank {rank}, loader {loader}: interrupted and resumed {parts} != {whole}"
-    if run == "cycled":  # "b" ran out before the checkpoint: the mode it assumes is said ("max_size" would differ)
-        warned = resume_edge_runs["cycled_resumed"][0]["facts"]["warnings"]
-        said = f"restarted it when it ran out, so it resumes {1 - rerun} batch(es)"  # of b's 2: 3 (or 2) done
-        assert any(said in line for line in warned), warned
+    said = {  # "b" ran out before the checkpoint (3 or, with a rerun, 2 steps done of its 2 batches)
+        "cycled": f"mode 'max_size_cycle' it restarted when it ran out, so it skips the {1 - rerun} batch(es)",
+        "sized": "mode 'max_size' it ran out before the checkpoint, so it yields nothing more this epoch",
+        "user_dealt": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
+    }.get(run)
+    if said is not None:
+        info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
+        assert any(said in line for line in info), info
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

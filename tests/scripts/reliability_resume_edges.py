@@ -9,6 +9,12 @@ Usage: python reliability_resume_edges.py OUT_DIR
 * ``cycled``: two loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank
   and ``b`` with 2 (restarted when it runs out), one epoch; ``cycled_first`` stops after step 3 (``b`` one
   batch into its second pass) with a checkpoint; ``cycled_resumed`` finishes the epoch from it.
+* ``sized``: the same two loaders in a CombinedLoader of mode "max_size", where ``b`` yields nothing once it
+  ran out; ``sized_first`` stops after step 3 (``b`` ran out one step before) with a checkpoint; ``sized_resumed``
+  finishes the epoch from it.
+* ``user_dealt``: a loader its user dealt with ``patch_dataloader_to_ddp`` in a LightningDataModule, with a
+  worker process, 2 epochs; ``user_dealt_first`` stops 2 steps into epoch 1 with a checkpoint;
+  ``user_dealt_resumed`` finishes from it.
 * ``stateful``: torchdata's ``StatefulDataLoader``, whose position the checkpoint holds and Lightning restores,
   one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
   the epoch from it.
@@ -21,10 +27,14 @@ from typing import Any, Dict, List
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import CombinedLoader
 from reliability_common import WeightRecorder, pk_loader, run_guarded, strategy, trainer_kwargs
+
+from lightning_ddp_ext import patch_dataloader_to_ddp
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
+USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
 STATEFUL_STOP = 2
 
 
@@ -64,6 +74,17 @@ def two_loaders() -> Dict[str, Any]:
     return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2)}
 
 
+def two_loaders_max_size() -> CombinedLoader:
+    return CombinedLoader(two_loaders(), mode="max_size")
+
+
+class UserDealt(pl.LightningDataModule):
+    """A training loader dealt by its user (after the process group exists), read by a worker process."""
+
+    def train_dataloader(self) -> Any:
+        return patch_dataloader_to_ddp(pk_loader(size=96, num_workers=1))
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     checkpoints = out / "checkpoints"
@@ -76,6 +97,14 @@ if __name__ == "__main__":
     fit(out, "cycled", two_loaders, max_epochs=1)
     fit(out, "cycled_first", two_loaders, stop_at=CYCLED_STOP, max_epochs=1)
     fit(out, "cycled_resumed", two_loaders, ckpt_path=checkpoints / f"cycled_first-step={CYCLED_STOP}.ckpt", max_epochs=1)
+    fit(out, "sized", two_loaders_max_size, max_epochs=1)
+    fit(out, "sized_first", two_loaders_max_size, stop_at=CYCLED_STOP, max_epochs=1)
+    fit(out, "sized_resumed", two_loaders_max_size, ckpt_path=checkpoints / f"sized_first-step={CYCLED_STOP}.ckpt",
+        max_epochs=1)
+    fit(out, "user_dealt", UserDealt, max_epochs=2)
+    fit(out, "user_dealt_first", UserDealt, stop_at=USER_DEALT_STOP, max_epochs=2)
+    fit(out, "user_dealt_resumed", UserDealt, ckpt_path=checkpoints / f"user_dealt_first-step={USER_DEALT_STOP}.ckpt",
+        max_epochs=2)
     fit(out, "stateful", stateful_loader, max_epochs=1)
     fit(out, "stateful_first", stateful_loader, stop_at=STATEFUL_STOP, max_epochs=1)
     fit(out, "stateful_resumed", stateful_loader, ckpt_path=checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt",
