@@ -255,7 +255,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         return self._epoch_digest
 
     # ------------------------------------------------------------------ iteration
-    def resume_within_epoch(self, epoch: int, done: Union[int, Callable[[], int]]) -> None:
+    def resume_within_epoch(self, epoch: int, done: Union[int, Callable[[], int], None]) -> None:
         """Make the next iteration, if it is of ``epoch``, skip this rank's first ``done`` items.
 
         For a restart from a mid-epoch checkpoint: those items were trained before it was written. The user's
@@ -265,8 +265,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         finish the epoch without it (the checkpoint was at its end) and call ``set_epoch`` for the next. The
         first iteration that reads anything uses the skip up, whatever its epoch. ``done`` may be a callable
         returning the count, for a count that is known only when the iteration starts; it is called then, and
-        only if the epoch matches.
+        only if the epoch matches. ``done=None`` drops a pending skip.
         """
+        if done is None:
+            self._resume = None
+            return
         if not callable(done):
             self._check_resume_count(done)
         self._resume = (epoch, done)

@@ -136,6 +136,8 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
 _TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
+#: Wrappers holding a resume skip that no iteration has taken yet (see `_prepare_first_epoch`).
+_PENDING_SKIPS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
 
 
 def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
@@ -166,10 +168,11 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
 
 
 def _items_in(batches: int, loader: DataLoader, wrapper: _Wrapper) -> int:
-    """The wrapper's items in ``loader``'s first ``batches`` batches: batches themselves, or their samples."""
-    if isinstance(wrapper, DistributedBatchSamplerWrapper):
+    """The wrapper's items in ``loader``'s first ``batches`` batches: one per batch when it is the loader's batch
+    sampler (or automatic batching is off), else ``batch_size`` per batch."""
+    if wrapper is loader.batch_sampler or loader.batch_size is None:
         return batches
-    return min(len(wrapper), batches * (loader.batch_size or 1))
+    return min(len(wrapper), batches * loader.batch_size)
 
 
 class CustomDDP(DDPStrategy):
@@ -644,6 +647,9 @@ class CustomDDP(DDPStrategy):
         ):
             self.model = self.lightning_module  # unwrap custom wrappers too, not only torch's DDP
         self._wrapped_parameters, self._wrapped_requires_grad = [], []
+        for wrapper in list(_PENDING_SKIPS):  # a resumed fit with nothing left to train: the next one starts whole
+            wrapper.resume_within_epoch(0, None)
+        _PENDING_SKIPS.clear()
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -813,36 +819,45 @@ class CustomDDP(DDPStrategy):
         epoch = _compat.epoch_for_samplers(trainer)
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
-        resume = _compat.mid_epoch_resume(trainer)
-        if resume is None or wrapper is None or _compat.restores_loader_position(trainer, loader):
+        if wrapper is None:
             return
-        resumed_epoch, done = resume
-        if 0 < len(loader) <= done:
-            # A loader shorter than the epoch ran out before the checkpoint. What it did then depends on the
-            # CombinedLoader's mode, which Lightning knows only once every loader is processed: decided when the
-            # resumed iteration reads its first item.
-            wrapper.resume_within_epoch(resumed_epoch, partial(self._skip_past_end, trainer, loader, wrapper, done))
-        elif 0 < done < len(loader):
-            wrapper.resume_within_epoch(resumed_epoch, _items_in(done, loader, wrapper))
-            rank_zero_info(
-                f"{type(self).__name__}: resuming mid-epoch, {type(wrapper.source).__name__} skips the {done} batch(es) of epoch"
-                f" {resumed_epoch} trained before the checkpoint (so Lightning's warning that the dataloader is not"
-                " resumable does not apply to it)."
-            )
+        resume = _compat.mid_epoch_resume(trainer)
+        if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
+            wrapper.resume_within_epoch(epoch, None)  # a loader its user keeps may hold an earlier fit's skip
+            _PENDING_SKIPS.discard(wrapper)
+            return
+        # Decided when the resumed iteration reads its first item: a loader shorter than the epoch ran out before
+        # the checkpoint, and what it did then depends on the CombinedLoader's mode, which Lightning knows only
+        # once every loader is processed.
+        wrapper.resume_within_epoch(resume[0], partial(self._resume_skip, trainer, loader, wrapper, *resume))
+        _PENDING_SKIPS.add(wrapper)
 
-    def _skip_past_end(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, done: int) -> int:
-        """Items to skip when resuming ``done`` batches into an epoch that ``loader`` is shorter than."""
-        mode, batches = _compat.training_loader_mode(trainer), len(loader)
+    def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> int:
+        """Items the first training iteration of a fit resumed ``done`` batches into ``epoch`` skips, said on
+        rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint written
+        during validation: that iteration skips nothing, and the skip waits for training's."""
+        if trainer.state.stage != RunningStage.TRAINING:
+            wrapper.resume_within_epoch(epoch, partial(self._resume_skip, trainer, loader, wrapper, epoch, done))
+            return 0
+        _PENDING_SKIPS.discard(wrapper)
+        name, source, batches = type(self).__name__, type(wrapper.source).__name__, len(loader)
+        if done < batches:
+            rank_zero_info(
+                f"{name}: resuming mid-epoch, {source} skips the {done} batch(es) of epoch {epoch} trained"
+                " before the checkpoint (so Lightning's warning that the dataloader is not resumable does not apply"
+                " to it)."
+            )
+            return _items_in(done, loader, wrapper)
+        mode = _compat.training_loader_mode(trainer)
         said = (
-            f"{type(self).__name__}: resuming mid-epoch {done} batches in, past the end of"
-            f" {type(wrapper.source).__name__} ({batches} batches per epoch on each rank): in CombinedLoader's mode"
-            f" {mode!r}"
+            f"{name}: resuming mid-epoch {done} batches in, past the end of {source} ({batches} batches per epoch on"
+            f" each rank): in CombinedLoader's mode {repr(mode) if mode else repr('max_size_cycle') + ' (assumed)'}"
         )
         if mode == "max_size":
             rank_zero_info(f"{said} it ran out before the checkpoint, so it yields nothing more this epoch.")
             return len(wrapper)
         # "max_size_cycle" (Lightning's default) restarts a loader each time it runs out.
-        done %= batches
+        done %= max(1, batches)
         rank_zero_info(f"{said} it restarted when it ran out, so it skips the {done} batch(es) of its current pass.")
         return _items_in(done, loader, wrapper)
 

@@ -274,7 +274,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "stateful", "stateful_first", "stateful_resumed")
+            "user_dealt_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
+            "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -284,10 +285,11 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     [
         ("limited", "resumed", ["only"]),
         ("limited", "resumed_with_workers", ["only"]),
-        ("cycled", "resumed", ["a", "b"]),
+        ("cycled", "resumed", ["a", "b", "c"]),
         ("stateful", "resumed", ["only"]),
-        ("sized", "resumed", ["a", "b"]),
+        ("sized", "resumed", ["a", "b", "c"]),
         ("user_dealt", "resumed", ["only"]),
+        ("user_sharded", "resumed", ["only"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
@@ -297,10 +299,10 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     epoch when it resumes, which must be trained whole (its first batches were skipped, as if the resume were
     inside it), also by a loader with workers, whose iterator reads the sampler as soon as it is made. A loader
     that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass; one that ran out in mode
-    "max_size" yields nothing more. A loader its user dealt, with a worker, resumes like one CustomDDP dealt. A
-    StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
+    "max_size" yields nothing more. A loader its user dealt (with our wrapper, or torch's DistributedSampler),
+    with a worker, resumes like one CustomDDP dealt. A StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
     batches again."""
-    if run in ("limited",) and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
+    if run in ("limited", "user_sharded") and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
             "this Lightning (no restart stages in its training epoch loop, as in 2.2) re-runs the batch whose"
             " on_train_batch_end wrote the checkpoint, so its resumed epoch trains one batch more than the"
@@ -324,6 +326,30 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_loader_serving_training_and_validation_is_not_left_with_a_resume_skip(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """A fit resumed mid-epoch with no step left sets up a skip for its training loader that no training reads;
+    the validation after it, on the same loader its user keeps, must still read its whole share."""
+    for rank in range(WORLD):
+        validated = resume_edge_runs["shared_resumed"][rank]["seen"]["val/only"]
+        assert len(validated) == 6, f"rank {rank} validated {len(validated)} of its 6 batches"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """A checkpoint written during a mid-epoch validation: the resumed fit finishes that validation first (2.2
+    runs it again whole), on the loader it shares with training, which must not take the skip of the 2 batches
+    trained before it."""
+    for rank in range(WORLD):
+        whole = resume_edge_runs["validating"][rank]["seen"]["train/only"]
+        resumed = resume_edge_runs["validating_resumed"][rank]["seen"]["train/only"]
+        assert resumed == whole[2:], f"rank {rank}: resumed {resumed} != the uninterrupted run's {whole[2:]}"
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

@@ -443,7 +443,7 @@ def test_a_resume_skips_in_the_first_iteration_that_reads_and_only_in_its_epoch(
 
 def test_a_resume_count_given_as_a_callable_is_asked_for_when_its_epoch_is_read() -> None:
     """A callable count is called once, at the first read, and only when that read is of the resumed epoch; what
-    it returns is checked like a count given at once."""
+    it returns is checked like a count given at once. None drops a pending skip."""
     wrapper = DistributedBatchSamplerWrapper([[i] for i in range(12)], 2, 1, shuffle=True, shuffle_window=2)
     whole, asked = list(wrapper), []
     count = lambda: asked.append(1) or 4  # noqa: E731
@@ -456,6 +456,9 @@ def test_a_resume_count_given_as_a_callable_is_asked_for_when_its_epoch_is_read(
     wrapper.resume_within_epoch(0, lambda: 7)
     with pytest.raises(ValueError, match=r"done must be in \[0, 6\]"):
         next(iter(wrapper))
+    wrapper.resume_within_epoch(0, 3)
+    wrapper.resume_within_epoch(0, None)  # dropped
+    assert list(wrapper) == whole
 
 
 def test_the_whole_epoch_permutation_is_torchs_drawn_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:

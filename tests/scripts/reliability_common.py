@@ -31,7 +31,7 @@ from distributed_helpers import (  # noqa: E402
     session_members,
     worker_context,
 )
-from scenarios import IndexDataset, PKBatches, Recorder, labels_for, trainer_kwargs  # noqa: E402
+from scenarios import EveryThirdFirst, IndexDataset, PKBatches, Recorder, labels_for, trainer_kwargs  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_ddp_ext import CustomDDP  # noqa: E402
@@ -196,10 +196,10 @@ def read_json(path: Path) -> Dict[str, Any]:
 
 
 __all__ = [
-    "DataLoader", "FaultyRecorder", "IndexDataset", "INJECTED_MESSAGE", "PG_TIMEOUT_S", "PKBatches",
+    "DataLoader", "EveryThirdFirst", "FaultyRecorder", "IndexDataset", "INJECTED_MESSAGE", "PG_TIMEOUT_S", "PKBatches",
     "STARTUP_SLACK_S", "WeightRecorder", "command_line", "descendants", "describe", "env_rank", "free_port",
     "job_env", "kill_pids", "kill_session", "labels_for", "mark", "pk_loader", "read_json", "run_guarded",
-    "session_members", "strategy", "trainer_kwargs", "wait_until",
+    "session_members", "strategy", "trainer_kwargs", "wait_until", "worker_context",
 ]
 
 

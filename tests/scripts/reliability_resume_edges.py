@@ -6,15 +6,24 @@ Usage: python reliability_resume_edges.py OUT_DIR
   with a checkpoint there (the limited epoch's last batch, so Lightning starts the next epoch when it resumes);
   ``limited_resumed`` goes on from it to 3 epochs, and so does ``limited_resumed_with_workers``, whose loader
   has a worker process.
-* ``cycled``: two loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank
-  and ``b`` with 2 (restarted when it runs out), one epoch; ``cycled_first`` stops after step 3 (``b`` one
-  batch into its second pass) with a checkpoint; ``cycled_resumed`` finishes the epoch from it.
-* ``sized``: the same two loaders in a CombinedLoader of mode "max_size", where ``b`` yields nothing once it
-  ran out; ``sized_first`` stops after step 3 (``b`` ran out one step before) with a checkpoint; ``sized_resumed``
+* ``cycled``: three loaders in CombinedLoader's default "max_size_cycle" mode, ``a`` with 5 batches per rank,
+  ``b`` and ``c`` (an index sampler) with 2 (restarted when they run out), one epoch; ``cycled_first`` stops
+  after step 3 (``b`` and ``c`` one batch into their second pass) with a checkpoint; ``cycled_resumed``
   finishes the epoch from it.
+* ``sized``: the same three loaders in a CombinedLoader of mode "max_size", where ``b`` and ``c`` yield
+  nothing once they ran out; ``sized_first`` stops after step 3 (they ran out one step before) with a
+  checkpoint; ``sized_resumed`` finishes the epoch from it.
 * ``user_dealt``: a loader its user dealt with ``patch_dataloader_to_ddp`` in a LightningDataModule, with a
   worker process, 2 epochs; ``user_dealt_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``user_dealt_resumed`` finishes from it.
+* ``user_sharded``: a loader its user sharded with torch's ``DistributedSampler``, with a worker process, 2
+  epochs; ``user_sharded_first`` stops at the end of epoch 0 with a checkpoint; ``user_sharded_resumed`` trains
+  epoch 1 from it.
+* ``shared``: one loader its user dealt serves training and validation; ``shared_first`` stops after step 2
+  with a checkpoint; ``shared_resumed`` resumes it with no step left to train, then validates.
+* ``validating``: the shared loader, validated every 2 training batches, one epoch, writing a checkpoint in
+  the step of the first batch of its first validation; ``validating_resumed`` goes on from it, finishing that validation
+  before it trains.
 * ``stateful``: torchdata's ``StatefulDataLoader``, whose position the checkpoint holds and Lightning restores,
   one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
   the epoch from it.
@@ -23,18 +32,24 @@ Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
-from reliability_common import WeightRecorder, pk_loader, run_guarded, strategy, trainer_kwargs
+from reliability_common import (
+    DataLoader, EveryThirdFirst, IndexDataset, WeightRecorder, pk_loader, run_guarded, strategy, trainer_kwargs,
+    worker_context,
+)
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_ddp_ext import patch_dataloader_to_ddp
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
 USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
+USER_SHARDED_STOP = 6  # the end of epoch 0
+SHARED_STOP = 2
 STATEFUL_STOP = 2
 
 
@@ -71,7 +86,9 @@ def stateful_loader() -> Any:
 
 
 def two_loaders() -> Dict[str, Any]:
-    return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2)}
+    # "c": a custom index sampler, whose wrapper skips samples (4 per batch), not batches.
+    c = DataLoader(IndexDataset(16), sampler=EveryThirdFirst(16), batch_size=4)
+    return {"a": pk_loader(size=80), "b": pk_loader(size=32, seed=2), "c": c}
 
 
 def two_loaders_max_size() -> CombinedLoader:
@@ -83,6 +100,67 @@ class UserDealt(pl.LightningDataModule):
 
     def train_dataloader(self) -> Any:
         return patch_dataloader_to_ddp(pk_loader(size=96, num_workers=1))
+
+
+class UserSharded(pl.LightningDataModule):
+    """A training loader its user sharded with torch's DistributedSampler, read by a worker process."""
+
+    def train_dataloader(self) -> Any:
+        dataset = IndexDataset(96)
+        context = worker_context("lightning.pytorch")
+        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, seed=3), num_workers=1,
+                          multiprocessing_context=context)
+
+
+class SharedLoader(pl.LightningDataModule):
+    """One loader its user dealt, kept and served for training and for validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loader: Any = None
+
+    def train_dataloader(self) -> Any:
+        if self.loader is None:
+            self.loader = patch_dataloader_to_ddp(pk_loader(size=96))
+        return self.loader
+
+    val_dataloader = train_dataloader
+
+
+class CheckpointsInValidation(WeightRecorder):
+    """Writes a checkpoint in the step of the first batch of the fit's first validation (Lightning resumes
+    such a checkpoint by finishing that validation, with the loader it shares with training, before it
+    trains again)."""
+
+    def __init__(self, out_dir: str, path: Optional[Path]) -> None:
+        super().__init__(out_dir)
+        self.path = path
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.path is not None and not self.trainer.sanity_checking:
+            self.trainer.save_checkpoint(self.path)
+            self.path = None
+        super().validation_step(batch, batch_idx)
+
+
+def fit_validating(out_dir: Path, run: str, ckpt_path: Optional[Path] = None) -> None:
+    """The shared loader, validated every 2 training batches; the first run writes the mid-validation checkpoint."""
+    run_dir = out_dir / run
+    run_dir.mkdir(exist_ok=True)
+    checkpoint = out_dir / "checkpoints" / "validating.ckpt" if ckpt_path is None else None
+    model, data = CheckpointsInValidation(str(run_dir), checkpoint), SharedLoader()
+    trainer = pl.Trainer(strategy=strategy("popen"), **trainer_kwargs(max_epochs=1, val_check_interval=2))
+    run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, data, ckpt_path=ckpt_path))
+
+
+def resume_then_validate(out_dir: Path, run: str, ckpt_path: Path) -> None:
+    """Resume a fit that has no step left, then validate with the same loader: validation reads it whole."""
+    run_dir = out_dir / run
+    run_dir.mkdir(exist_ok=True)
+    model, data = WeightRecorder(str(run_dir)), SharedLoader()
+    trainer = pl.Trainer(strategy=strategy("popen"), **trainer_kwargs(max_steps=SHARED_STOP, max_epochs=1))
+    run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, data, ckpt_path=ckpt_path))
+    run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.validate(model, data))
 
 
 if __name__ == "__main__":
@@ -105,6 +183,14 @@ if __name__ == "__main__":
     fit(out, "user_dealt_first", UserDealt, stop_at=USER_DEALT_STOP, max_epochs=2)
     fit(out, "user_dealt_resumed", UserDealt, ckpt_path=checkpoints / f"user_dealt_first-step={USER_DEALT_STOP}.ckpt",
         max_epochs=2)
+    fit(out, "user_sharded", UserSharded, max_epochs=2)
+    fit(out, "user_sharded_first", UserSharded, stop_at=USER_SHARDED_STOP, max_epochs=2)
+    fit(out, "user_sharded_resumed", UserSharded,
+        ckpt_path=checkpoints / f"user_sharded_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
+    fit(out, "shared_first", SharedLoader, stop_at=SHARED_STOP, max_epochs=1)
+    resume_then_validate(out, "shared_resumed", checkpoints / f"shared_first-step={SHARED_STOP}.ckpt")
+    fit_validating(out, "validating")
+    fit_validating(out, "validating_resumed", checkpoints / "validating.ckpt")
     fit(out, "stateful", stateful_loader, max_epochs=1)
     fit(out, "stateful_first", stateful_loader, stop_at=STATEFUL_STOP, max_epochs=1)
     fit(out, "stateful_resumed", stateful_loader, ckpt_path=checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt",
