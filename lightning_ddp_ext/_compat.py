@@ -6,6 +6,7 @@ underscored Lightning name.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from contextlib import contextmanager
 from datetime import timedelta
@@ -255,17 +256,39 @@ def kill_launched_ranks(strategy: "DDPStrategy") -> int:
     return len(alive)
 
 
+def _restored_progress(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
+    """The fit loop's ``(epoch progress, batch progress)`` as the checkpoint ``fit`` resumes restores them; None
+    when it does not resume.
+
+    Lightning loads the checkpoint before the strategy's setup but restores the loops after it, and a
+    ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (as for ``OneCycleLR``) sets the
+    train loader up in between, for good: the progress is then read from the loaded checkpoint. Read while the
+    train loader is being set up, before ``FitLoop.reset`` interprets the restored progress.
+    """
+    fit_loop = trainer.fit_loop
+    epochs, batches = fit_loop.epoch_progress, fit_loop.epoch_loop.batch_progress
+    if fit_loop.restarting:
+        return epochs, batches
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None) or {}
+    state = (loaded.get("loops") or {}).get("fit_loop") if trainer.state.fn == TrainerFn.FITTING else None
+    if not state or "epoch_progress" not in state or "epoch_loop.batch_progress" not in state:
+        return None
+    epochs, batches = copy.deepcopy(epochs), copy.deepcopy(batches)
+    epochs.load_state_dict(state["epoch_progress"])
+    batches.load_state_dict(state["epoch_loop.batch_progress"])
+    return epochs, batches
+
+
 def _restarted_epoch(trainer: "pl.Trainer") -> Optional[tuple[int, Any]]:
     """``(epoch, its batch progress)`` when ``fit`` restarts inside an epoch that was started but not processed
-    (a checkpoint written during it), else None. Read while the train loader is being set up
-    (``FitLoop.setup_data``), before ``FitLoop.reset`` interprets the restored progress."""
-    fit_loop = trainer.fit_loop
-    if not fit_loop.restarting:
+    (a checkpoint written during it), else None."""
+    restored = _restored_progress(trainer)
+    if restored is None:
         return None
-    epochs: Any = fit_loop.epoch_progress.current  # a _ProcessedTracker, typed as its base class
+    epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
     if not (epochs.started == epochs.ready and epochs.processed == epochs.started - 1):
         return None
-    return int(epochs.processed), fit_loop.epoch_loop.batch_progress
+    return int(epochs.processed), restored[1]
 
 
 def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
@@ -295,7 +318,8 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
 
     A loader with ``state_dict`` and ``load_state_dict`` (torchdata's ``StatefulDataLoader``, for example) is
     saved in the checkpoint by the fit loop, which loads its state back once the train loader is set up: the
-    loader then skips the batches it had yielded by itself, so a sampler must not skip them too.
+    loader then skips the batches it had yielded by itself, so a sampler must not skip them too. A loader set up
+    before the loops are restored (see :func:`_restored_progress`) is not: only that set-up would load it.
     """
     states = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
     return bool(states) and isinstance(loader, _Stateful)
@@ -318,7 +342,8 @@ def _last_batch_done(batches: Any) -> bool:
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
     next one after a checkpoint written at an epoch's last batch."""
-    epochs: Any = trainer.fit_loop.epoch_progress.current
+    restored = _restored_progress(trainer)
+    epochs: Any = (restored[0] if restored is not None else trainer.fit_loop.epoch_progress).current
     restarted = _restarted_epoch(trainer)
     return int(epochs.processed) + (1 if restarted is not None and _last_batch_done(restarted[1]) else 0)
 

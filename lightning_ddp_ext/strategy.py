@@ -136,8 +136,9 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
 _TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
-#: Wrappers holding a resume skip that no iteration has taken yet (see `_prepare_first_epoch`).
-_PENDING_SKIPS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
+#: Wrappers holding a resume skip that no training iteration has taken yet, with the id of the strategy that set
+#: it (see `_prepare_first_epoch`).
+_PENDING_SKIPS: "weakref.WeakKeyDictionary[_Wrapper, int]" = weakref.WeakKeyDictionary()
 
 
 def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
@@ -647,10 +648,16 @@ class CustomDDP(DDPStrategy):
         ):
             self.model = self.lightning_module  # unwrap custom wrappers too, not only torch's DDP
         self._wrapped_parameters, self._wrapped_requires_grad = [], []
-        for wrapper in list(_PENDING_SKIPS):  # a resumed fit with nothing left to train: the next one starts whole
-            wrapper.resume_within_epoch(0, None)
-        _PENDING_SKIPS.clear()
+        self._drop_pending_skips()
         super().teardown()
+
+    def _drop_pending_skips(self) -> None:
+        """Drop the resume skips this strategy set that no training iteration took (a resumed fit with no step
+        left, or one that failed first): a later iteration of a loader its user keeps must read it whole."""
+        for wrapper, owner in list(_PENDING_SKIPS.items()):
+            if owner == id(self):
+                wrapper.resume_within_epoch(0, None)
+                del _PENDING_SKIPS[wrapper]
 
     # ------------------------------------------------------------------ data
     @property
@@ -824,22 +831,22 @@ class CustomDDP(DDPStrategy):
         resume = _compat.mid_epoch_resume(trainer)
         if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
             wrapper.resume_within_epoch(epoch, None)  # a loader its user keeps may hold an earlier fit's skip
-            _PENDING_SKIPS.discard(wrapper)
+            _PENDING_SKIPS.pop(wrapper, None)
             return
         # Decided when the resumed iteration reads its first item: a loader shorter than the epoch ran out before
         # the checkpoint, and what it did then depends on the CombinedLoader's mode, which Lightning knows only
         # once every loader is processed.
         wrapper.resume_within_epoch(resume[0], partial(self._resume_skip, trainer, loader, wrapper, *resume))
-        _PENDING_SKIPS.add(wrapper)
+        _PENDING_SKIPS[wrapper] = id(self)
 
     def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> int:
-        """Items the first training iteration of a fit resumed ``done`` batches into ``epoch`` skips, said on
-        rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint written
-        during validation: that iteration skips nothing, and the skip waits for training's."""
+        """Items the first iteration read during training, of a fit resumed ``done`` batches into ``epoch``, skips;
+        said on rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint
+        written during validation: that iteration skips nothing, and the skip waits for one read in training."""
         if trainer.state.stage != RunningStage.TRAINING:
             wrapper.resume_within_epoch(epoch, partial(self._resume_skip, trainer, loader, wrapper, epoch, done))
             return 0
-        _PENDING_SKIPS.discard(wrapper)
+        _PENDING_SKIPS.pop(wrapper, None)
         name, source, batches = type(self).__name__, type(wrapper.source).__name__, len(loader)
         if done < batches:
             rank_zero_info(
@@ -1124,6 +1131,7 @@ class CustomDDP(DDPStrategy):
         does: a rank stuck outside any collective would then run on, orphaned. They are killed here instead.
         """
         self._evaluating = False  # the evaluation, if one ran, ends here without its end hook
+        self._drop_pending_skips()  # Lightning 2.2 does not tear down after a KeyboardInterrupt
         killed = _compat.kill_launched_ranks(self)
         if killed:
             log.error(f"{type(self).__name__}: rank {self.global_rank} failed; ended the {killed} rank(s) it launched.")

@@ -263,7 +263,7 @@ def test_resume_with_loader_workers_trains_the_resumed_epoch(resume_runs_with_wo
         assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
 
 
-USER_DEALT_DONE = 2  # scripts/reliability_resume_edges.py checkpoints the user-dealt run 2 steps into epoch 1
+USER_DEALT_DONE = 2  # scripts/reliability_resume_edges.py checkpoints its user_dealt and estimating runs 2 steps into epoch 1
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +274,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
+            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
@@ -290,6 +290,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("sized", "resumed", ["a", "b", "c"]),
         ("user_dealt", "resumed", ["only"]),
         ("user_sharded", "resumed", ["only"]),
+        ("estimating", "resumed", ["only"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
@@ -300,7 +301,8 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     inside it), also by a loader with workers, whose iterator reads the sampler as soon as it is made. A loader
     that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass; one that ran out in mode
     "max_size" yields nothing more. A loader its user dealt (with our wrapper, or torch's DistributedSampler),
-    with a worker, resumes like one CustomDDP dealt. A StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
+    with a worker, resumes like one CustomDDP dealt; so does one Lightning sets up before it restores the
+    checkpoint's loops (for a configure_optimizers that reads estimated_stepping_batches). A StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
     batches again."""
     if run in ("limited", "user_sharded") and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
@@ -322,6 +324,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "cycled": f"mode 'max_size_cycle' it restarted when it ran out, so it skips the {1 - rerun} batch(es)",
         "sized": "mode 'max_size' it ran out before the checkpoint, so it yields nothing more this epoch",
         "user_dealt": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
+        "estimating": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
@@ -333,23 +336,26 @@ def test_a_loader_serving_training_and_validation_is_not_left_with_a_resume_skip
     resume_edge_runs: Dict[str, List[Dict[str, Any]]]
 ) -> None:
     """A fit resumed mid-epoch with no step left sets up a skip for its training loader that no training reads;
-    the validation after it, on the same loader its user keeps, must still read its whole share."""
+    the validation after it, and a later fit that leaves loaders as given (so nothing prepares this one), on the
+    same loader its user keeps, must still read its whole share."""
     for rank in range(WORLD):
         validated = resume_edge_runs["shared_resumed"][rank]["seen"]["val/only"]
         assert len(validated) == 6, f"rank {rank} validated {len(validated)} of its 6 batches"
+        trained = resume_edge_runs["shared_resumed"][rank]["seen"]["train/only"]
+        assert [epoch for epoch, _ in trained] == [0] * 6, f"rank {rank} trained {trained}, not its 6 batches"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes(
     resume_edge_runs: Dict[str, List[Dict[str, Any]]]
 ) -> None:
-    """A checkpoint written during a mid-epoch validation: the resumed fit finishes that validation first (2.2
-    runs it again whole), on the loader it shares with training, which must not take the skip of the 2 batches
-    trained before it."""
+    """A checkpoint written in the step of a mid-epoch validation's first batch: the resumed fit runs that
+    validation first, whole, on the loader it shares with training, which must not take the skip of the 2
+    batches trained before it."""
     for rank in range(WORLD):
-        whole = resume_edge_runs["validating"][rank]["seen"]["train/only"]
-        resumed = resume_edge_runs["validating_resumed"][rank]["seen"]["train/only"]
-        assert resumed == whole[2:], f"rank {rank}: resumed {resumed} != the uninterrupted run's {whole[2:]}"
+        whole, resumed = (resume_edge_runs[run][rank]["seen"] for run in ("validating", "validating_resumed"))
+        assert resumed["train/only"] == whole["train/only"][2:], f"rank {rank}: trained {resumed['train/only']}"
+        assert resumed["val/only"] == whole["val/only"], f"rank {rank}: validated {resumed['val/only']}"
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

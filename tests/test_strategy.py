@@ -688,3 +688,26 @@ def _compat_training_epoch_loop() -> type:
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     return _TrainingEpochLoop
+
+
+@pytest.mark.parametrize("end", ["teardown", "on_exception"])
+def test_the_end_of_a_fit_drops_the_resume_skips_it_left_untaken(end: str) -> None:
+    """A resumed fit with no step left, or one that failed before training read its loader, leaves the skip it
+    set pending on a wrapper its user may keep (with the trainer it refers to): the fit's end drops it, and only
+    the skips this strategy set (Lightning 2.2 calls on_exception, not teardown, after a KeyboardInterrupt)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from lightning_ddp_ext import strategy as strategy_module
+    from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper
+
+    ours, theirs = (CustomDDP(accelerator=CPUAccelerator(), cluster_environment=LightningEnvironment()) for _ in "ab")
+    mine, other = (DistributedBatchSamplerWrapper([[i] for i in range(8)], 2, 0) for _ in range(2))
+    for wrapper, owner in ((mine, ours), (other, theirs)):
+        wrapper.resume_within_epoch(0, 2)
+        strategy_module._PENDING_SKIPS[wrapper] = id(owner)
+    getattr(ours, end)(*([RuntimeError("failed")] if end == "on_exception" else []))
+    assert len(list(mine)) == 4 and len(list(other)) == 2
+    assert list(strategy_module._PENDING_SKIPS.values()) == [id(theirs)]
+    theirs.teardown()
+    assert not strategy_module._PENDING_SKIPS

@@ -16,11 +16,15 @@ Usage: python reliability_resume_edges.py OUT_DIR
 * ``user_dealt``: a loader its user dealt with ``patch_dataloader_to_ddp`` in a LightningDataModule, with a
   worker process, 2 epochs; ``user_dealt_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``user_dealt_resumed`` finishes from it.
+* ``estimating``: a model whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, a loader
+  with a worker process, 2 epochs; ``estimating_first`` stops 2 steps into epoch 1 with a checkpoint;
+  ``estimating_resumed`` finishes from it.
 * ``user_sharded``: a loader its user sharded with torch's ``DistributedSampler``, with a worker process, 2
   epochs; ``user_sharded_first`` stops at the end of epoch 0 with a checkpoint; ``user_sharded_resumed`` trains
   epoch 1 from it.
 * ``shared``: one loader its user dealt serves training and validation; ``shared_first`` stops after step 2
-  with a checkpoint; ``shared_resumed`` resumes it with no step left to train, then validates.
+  with a checkpoint; ``shared_resumed`` resumes it with no step left to train, then trains one epoch with
+  ``use_distributed_sampler=False``, then validates.
 * ``validating``: the shared loader, validated every 2 training batches, one epoch, writing a checkpoint in
   the step of the first batch of its first validation; ``validating_resumed`` goes on from it, finishing that validation
   before it trains.
@@ -53,7 +57,8 @@ SHARED_STOP = 2
 STATEFUL_STOP = 2
 
 
-def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1, **options: Any) -> None:
+def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1,
+        model_class: Any = WeightRecorder, **options: Any) -> None:
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
     callbacks: List[Any] = []
@@ -62,7 +67,7 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", filename=f"{run}-{{step}}",
                                          every_n_train_steps=stop_at))
     pl.seed_everything(7)
-    model = WeightRecorder(str(run_dir))
+    model = model_class(str(run_dir))
     trainer = pl.Trainer(
         strategy=strategy("popen"),
         **trainer_kwargs(enable_checkpointing=bool(callbacks), callbacks=callbacks, **options),
@@ -93,6 +98,19 @@ def two_loaders() -> Dict[str, Any]:
 
 def two_loaders_max_size() -> CombinedLoader:
     return CombinedLoader(two_loaders(), mode="max_size")
+
+
+class EstimatesSteps(WeightRecorder):
+    """Reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (as for ``OneCycleLR``): Lightning
+    then sets the train loader up before it restores the loops of the checkpoint it resumes."""
+
+    def configure_optimizers(self) -> Any:
+        self.facts["estimated_steps"] = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+
+def loader_with_workers() -> Any:
+    return pk_loader(size=96, num_workers=1)
 
 
 class UserDealt(pl.LightningDataModule):
@@ -153,13 +171,17 @@ def fit_validating(out_dir: Path, run: str, ckpt_path: Optional[Path] = None) ->
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, data, ckpt_path=ckpt_path))
 
 
-def resume_then_validate(out_dir: Path, run: str, ckpt_path: Path) -> None:
-    """Resume a fit that has no step left, then validate with the same loader: validation reads it whole."""
+def resume_then_reuse(out_dir: Path, run: str, ckpt_path: Path) -> None:
+    """Resume a fit that has no step left, then train on the same loader in a fit that leaves loaders as given
+    (``use_distributed_sampler=False``, so nothing prepares them), then validate with it: both read it whole."""
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
     model, data = WeightRecorder(str(run_dir)), SharedLoader()
     trainer = pl.Trainer(strategy=strategy("popen"), **trainer_kwargs(max_steps=SHARED_STOP, max_epochs=1))
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, data, ckpt_path=ckpt_path))
+    again = pl.Trainer(strategy=strategy("popen"), **trainer_kwargs(max_epochs=1, use_distributed_sampler=False,
+                                                                    limit_val_batches=0))
+    run_guarded(str(run_dir), lambda: again.global_rank, lambda: again.fit(model, data))
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.validate(model, data))
 
 
@@ -183,12 +205,17 @@ if __name__ == "__main__":
     fit(out, "user_dealt_first", UserDealt, stop_at=USER_DEALT_STOP, max_epochs=2)
     fit(out, "user_dealt_resumed", UserDealt, ckpt_path=checkpoints / f"user_dealt_first-step={USER_DEALT_STOP}.ckpt",
         max_epochs=2)
+    estimating = dict(max_epochs=2, model_class=EstimatesSteps)
+    fit(out, "estimating", loader_with_workers, **estimating)
+    fit(out, "estimating_first", loader_with_workers, stop_at=USER_DEALT_STOP, **estimating)
+    fit(out, "estimating_resumed", loader_with_workers,
+        ckpt_path=checkpoints / f"estimating_first-step={USER_DEALT_STOP}.ckpt", **estimating)
     fit(out, "user_sharded", UserSharded, max_epochs=2)
     fit(out, "user_sharded_first", UserSharded, stop_at=USER_SHARDED_STOP, max_epochs=2)
     fit(out, "user_sharded_resumed", UserSharded,
         ckpt_path=checkpoints / f"user_sharded_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
     fit(out, "shared_first", SharedLoader, stop_at=SHARED_STOP, max_epochs=1)
-    resume_then_validate(out, "shared_resumed", checkpoints / f"shared_first-step={SHARED_STOP}.ckpt")
+    resume_then_reuse(out, "shared_resumed", checkpoints / f"shared_first-step={SHARED_STOP}.ckpt")
     fit_validating(out, "validating")
     fit_validating(out, "validating_resumed", checkpoints / "validating.ckpt")
     fit(out, "stateful", stateful_loader, max_epochs=1)
