@@ -40,8 +40,8 @@ def take_over_sampler_replacement(trainer: "pl.Trainer", take_over: bool = True)
     Lightning replaces samplers in ``_DataConnector._prepare_dataloader``, which runs *before*
     ``Strategy.process_dataloader`` and there either raises for custom batch samplers or re-instantiates
     them. Its only switch is the accelerator connector's ``use_distributed_sampler`` flag (the Trainer
-    argument), read at every dataloader set-up, which follows ``Strategy.setup`` in every trainer entry
-    point. The user's original value is kept on the connector.
+    argument), read at every dataloader set-up, which follows ``Strategy.setup_environment`` in every trainer
+    entry point (``Strategy.setup`` comes after the LightningModule's ``setup`` hook, which may set loaders up). The user's original value is kept on the connector.
     """
     connector = trainer._accelerator_connector
     if not hasattr(connector, _USER_FLAG):

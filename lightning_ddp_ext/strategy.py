@@ -248,7 +248,7 @@ class CustomDDP(DDPStrategy):
         self.pad_to_world_size = pad_to_world_size
         self.check_sampler_consistency = check_sampler_consistency
         self.seed = seed
-        self._global_seed: Optional[int] = None  # rank 0's PL_GLOBAL_SEED, read in setup (see _loader_seed)
+        self._global_seed: Optional[int] = None  # rank 0's PL_GLOBAL_SEED, read in setup_environment (_loader_seed)
         self._replace_samplers = True
         self._said_no_replacement = False
         self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
@@ -256,6 +256,8 @@ class CustomDDP(DDPStrategy):
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
+        self._set_up = False  # between setup and setup_environment of the next run
+        self._trained_loader_set_up_early = False  # see on_train_start
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -305,26 +307,42 @@ class CustomDDP(DDPStrategy):
         return _compat.ddp_kwargs(self)
 
     @override
+    def setup_environment(self) -> None:
+        # Before the LightningModule's `setup` hook, which may set the train loader up already (by reading
+        # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
+        trainer = self._attached_trainer
+        self._set_up = False
+        if trainer is not None:
+            self._take_over_sampler_replacement(trainer)
+        super().setup_environment()
+        # seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
+        # that differs per rank (to vary augmentation) must not deal overlapping shares.
+        self._global_seed = self.broadcast(int(os.getenv("PL_GLOBAL_SEED", 0)), src=0) if self.seed is None else None
+
+    @override
     def setup(self, trainer: Trainer) -> None:
-        # Predict loaders stay Lightning's: it shards them itself (without padding) and tracks their indices.
-        predicting = trainer.state.fn == TrainerFn.PREDICTING
-        self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
-        if predicting and self._replace_samplers:
+        self._set_up = True
+        self._take_over_sampler_replacement(trainer)
+        if trainer.state.fn == TrainerFn.PREDICTING and self._replace_samplers:
             self._warn_of_sampler_kwargs_lightning_cannot_take()
         self._evaluating = False
         self._watched = {}
         self._verified_train_epoch = None
+        with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
+            super().setup(trainer)
+
+    def _take_over_sampler_replacement(self, trainer: Trainer) -> None:
+        """Turn Lightning's sampler replacement off for this run (``process_dataloader`` deals instead), unless
+        the user turned it off. Predict loaders stay Lightning's: it shards them itself (without padding) and
+        tracks their indices."""
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        self._replace_samplers = _compat.take_over_sampler_replacement(trainer, take_over=not predicting)
         if not self._replace_samplers and not self._said_no_replacement:
             self._said_no_replacement = True
             rank_zero_info(
                 f"{type(self).__name__}: Trainer(use_distributed_sampler=False) was given, so dataloaders are used as"
                 " they are: each rank must load its own share."
             )
-        # seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
-        # that differs per rank (to vary augmentation) must not deal overlapping shares.
-        self._global_seed = self.broadcast(int(os.getenv("PL_GLOBAL_SEED", 0)), src=0) if self.seed is None else None
-        with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
-            super().setup(trainer)
 
     @property
     def _attached_trainer(self) -> Optional[Trainer]:
@@ -823,6 +841,7 @@ class CustomDDP(DDPStrategy):
         """
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else loader.sampler
+        self._trained_loader_set_up_early = not self._set_up  # before the checkpoint was loaded
         epoch = _compat.epoch_for_samplers(trainer)
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
@@ -909,6 +928,21 @@ class CustomDDP(DDPStrategy):
             self._verified_train_epoch = trainer.current_epoch
             self._verify(RunningStage.TRAINING)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self._attached_trainer
+        if self._trained_loader_set_up_early and trainer is not None and trainer.ckpt_path is not None:
+            rank_zero_warn(
+                f"{type(self).__name__}: the training loader was set up before the checkpoint this fit resumes was"
+                " loaded (in the LightningModule's setup or configure_model hook: reading"
+                " trainer.estimated_stepping_batches there does it), so its sampler could not be told where the"
+                " checkpoint was written. After a mid-epoch checkpoint the batches trained before it are trained"
+                " again, and with num_workers > 0 the first resumed epoch is drawn in epoch 0's order. Read"
+                " trainer.estimated_stepping_batches in configure_optimizers instead."
+            )
+        self._trained_loader_set_up_early = False
 
     @override
     def on_train_end(self) -> None:

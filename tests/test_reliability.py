@@ -274,7 +274,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
+            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
@@ -329,6 +329,23 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_and_a_resume_from_there_warns(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Reading trainer.estimated_stepping_batches in the LightningModule's setup hook sets the train loader up
+    before the strategy's setup: the custom batch sampler must be dealt as usual (Lightning's own sampler
+    replacement, not yet turned off, would raise that it cannot inject a sampler into it). A fit resumed so
+    cannot know the checkpoint's position when the loader is set up, and says so."""
+    for rank in range(WORLD):
+        early, usual = (resume_edge_runs[run][rank] for run in ("early", "estimating"))
+        assert early["seen"]["train/only"] == usual["seen"]["train/only"], f"rank {rank} was dealt otherwise"
+    warned = resume_edge_runs["early_resumed"][0]["facts"]["warnings"]
+    assert any("set up before the checkpoint this fit resumes was loaded" in line for line in warned), warned
+    assert not any("set up before the checkpoint" in line for line in resume_edge_runs["estimating_resumed"][0]
+                   ["facts"]["warnings"])
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

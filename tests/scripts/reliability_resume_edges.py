@@ -19,6 +19,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
 * ``estimating``: a model whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, a loader
   with a worker process, 2 epochs; ``estimating_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``estimating_resumed`` finishes from it.
+* ``early``: as ``estimating``, but the model reads ``trainer.estimated_stepping_batches`` in its ``setup``
+  hook; ``early_first`` and ``early_resumed`` likewise.
 * ``user_sharded``: a loader its user sharded with torch's ``DistributedSampler``, with a worker process, 2
   epochs; ``user_sharded_first`` stops at the end of epoch 0 with a checkpoint; ``user_sharded_resumed`` trains
   epoch 1 from it.
@@ -107,6 +109,15 @@ class EstimatesSteps(WeightRecorder):
     def configure_optimizers(self) -> Any:
         self.facts["estimated_steps"] = self.trainer.estimated_stepping_batches
         return super().configure_optimizers()
+
+
+class EstimatesStepsInSetup(WeightRecorder):
+    """Reads ``trainer.estimated_stepping_batches`` in its ``setup`` hook: Lightning then sets the train loader up
+    before the strategy's setup and before it loads the checkpoint it resumes."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.facts["estimated_steps"] = self.trainer.estimated_stepping_batches
 
 
 def loader_with_workers() -> Any:
@@ -210,6 +221,11 @@ if __name__ == "__main__":
     fit(out, "estimating_first", loader_with_workers, stop_at=USER_DEALT_STOP, **estimating)
     fit(out, "estimating_resumed", loader_with_workers,
         ckpt_path=checkpoints / f"estimating_first-step={USER_DEALT_STOP}.ckpt", **estimating)
+    early = dict(max_epochs=2, model_class=EstimatesStepsInSetup)
+    fit(out, "early", loader_with_workers, **early)
+    fit(out, "early_first", loader_with_workers, stop_at=USER_DEALT_STOP, **early)
+    fit(out, "early_resumed", loader_with_workers,
+        ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt", **early)
     fit(out, "user_sharded", UserSharded, max_epochs=2)
     fit(out, "user_sharded_first", UserSharded, stop_at=USER_SHARDED_STOP, max_epochs=2)
     fit(out, "user_sharded_resumed", UserSharded,
