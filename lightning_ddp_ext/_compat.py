@@ -41,7 +41,8 @@ def take_over_sampler_replacement(trainer: "pl.Trainer", take_over: bool = True)
     ``Strategy.process_dataloader`` and there either raises for custom batch samplers or re-instantiates
     them. Its only switch is the accelerator connector's ``use_distributed_sampler`` flag (the Trainer
     argument), read at every dataloader set-up, which follows ``Strategy.setup_environment`` in every trainer
-    entry point (``Strategy.setup`` comes after the LightningModule's ``setup`` hook, which may set loaders up). The user's original value is kept on the connector.
+    entry point (``Strategy.setup`` comes after the LightningModule's ``setup`` hook, which may set loaders
+    up). The user's original value is kept on the connector.
     """
     connector = trainer._accelerator_connector
     if not hasattr(connector, _USER_FLAG):

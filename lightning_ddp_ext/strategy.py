@@ -310,13 +310,17 @@ class CustomDDP(DDPStrategy):
     def setup_environment(self) -> None:
         # Before the LightningModule's `setup` hook, which may set the train loader up already (by reading
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
-        trainer = self._attached_trainer
-        self._set_up = False
-        if trainer is not None:
-            self._take_over_sampler_replacement(trainer)
+        self._set_up = self._trained_loader_set_up_early = False
         super().setup_environment()
-        # seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
-        # that differs per rank (to vary augmentation) must not deal overlapping shares.
+        trainer = self._attached_trainer
+        if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
+            self._take_over_sampler_replacement(trainer)
+        self._broadcast_loader_seed()
+
+    def _broadcast_loader_seed(self) -> None:
+        """seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
+        that differs per rank (to vary augmentation) must not deal overlapping shares. Taken again in
+        :meth:`setup`, after the LightningModule's ``setup`` hook, which may call ``seed_everything``."""
         self._global_seed = self.broadcast(int(os.getenv("PL_GLOBAL_SEED", 0)), src=0) if self.seed is None else None
 
     @override
@@ -328,6 +332,7 @@ class CustomDDP(DDPStrategy):
         self._evaluating = False
         self._watched = {}
         self._verified_train_epoch = None
+        self._broadcast_loader_seed()
         with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
             super().setup(trainer)
 
@@ -742,7 +747,7 @@ class CustomDDP(DDPStrategy):
         """Give each rank its share of ``dataloader``.
 
         Why here: ``process_dataloader`` is the one strategy hook Lightning calls for every train, val and test
-        loader, after its own sampler replacement (turned off by :meth:`setup`) and before the loader is
+        loader, after its own sampler replacement (turned off by :meth:`setup_environment`) and before the loader is
         iterated or its length is read; the loop's ``set_epoch`` calls reach our wrapper through
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
@@ -841,7 +846,8 @@ class CustomDDP(DDPStrategy):
         """
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else loader.sampler
-        self._trained_loader_set_up_early = not self._set_up  # before the checkpoint was loaded
+        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)):  # before the checkpoint was loaded?
+            self._trained_loader_set_up_early = not self._set_up
         epoch = _compat.epoch_for_samplers(trainer)
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
