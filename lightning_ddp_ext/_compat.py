@@ -280,10 +280,9 @@ def _restored_progress(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
     return epochs, batches
 
 
-def _restarted_epoch(trainer: "pl.Trainer") -> Optional[tuple[int, Any]]:
-    """``(epoch, its batch progress)`` when ``fit`` restarts inside an epoch that was started but not processed
-    (a checkpoint written during it), else None."""
-    restored = _restored_progress(trainer)
+def _restarted_epoch(restored: Optional[tuple[Any, Any]]) -> Optional[tuple[int, Any]]:
+    """``(epoch, its batch progress)`` when the ``restored`` progress (see :func:`_restored_progress`) is inside
+    an epoch that was started but not processed (a checkpoint written during it), else None."""
     if restored is None:
         return None
     epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
@@ -303,7 +302,7 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     ``on_train_batch_end`` wrote the checkpoint, in the middle of an epoch and at its end, with any sampler:
     the count returned is then the batches they count as completed.
     """
-    restarted = _restarted_epoch(trainer)
+    restarted = _restarted_epoch(_restored_progress(trainer))
     if restarted is None or _last_batch_done(restarted[1]):
         return None
     progress = restarted[1].current
@@ -345,7 +344,7 @@ def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     next one after a checkpoint written at an epoch's last batch."""
     restored = _restored_progress(trainer)
     epochs: Any = (restored[0] if restored is not None else trainer.fit_loop.epoch_progress).current
-    restarted = _restarted_epoch(trainer)
+    restarted = _restarted_epoch(restored)
     return int(epochs.processed) + (1 if restarted is not None and _last_batch_done(restarted[1]) else 0)
 
 

@@ -747,8 +747,8 @@ class CustomDDP(DDPStrategy):
         """Give each rank its share of ``dataloader``.
 
         Why here: ``process_dataloader`` is the one strategy hook Lightning calls for every train, val and test
-        loader, after its own sampler replacement (turned off by :meth:`setup_environment`) and before the loader is
-        iterated or its length is read; the loop's ``set_epoch`` calls reach our wrapper through
+        loader, after its own sampler replacement (turned off by :meth:`setup_environment`) and before the
+        loader is iterated or its length is read; the loop's ``set_epoch`` calls reach our wrapper through
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
@@ -846,11 +846,11 @@ class CustomDDP(DDPStrategy):
         """
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else loader.sampler
-        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)):  # before the checkpoint was loaded?
-            self._trained_loader_set_up_early = not self._set_up
         epoch = _compat.epoch_for_samplers(trainer)
-        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
-            sampler.set_epoch(epoch)
+        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)):
+            self._trained_loader_set_up_early = not self._set_up  # before the checkpoint was loaded?
+            if sampler.epoch != epoch:
+                sampler.set_epoch(epoch)
         if wrapper is None:
             return
         resume = _compat.mid_epoch_resume(trainer)
