@@ -652,7 +652,8 @@ def _plan_ranges(windows: int, window: int, head_windows: int) -> Iterator[tuple
     own. Every range between the head and the last window holds only whole windows that every rank reads
     alike: the C helper deals them. Blocks start at each range's first window."""
     first = min(head_windows, windows)
-    yield 0, first
+    if first:
+        yield 0, first
     size = _PLAN_GROWTH
     while first < windows - 1:
         end = min(windows - 1, first + size)

@@ -168,6 +168,12 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
+def _drop_skip(wrapper: _Wrapper) -> None:
+    """Drop a resume skip pending on ``wrapper``, if any."""
+    wrapper.resume_within_epoch(0, None)
+    _PENDING_SKIPS.pop(wrapper, None)
+
+
 def _items_in(batches: int, loader: DataLoader, wrapper: _Wrapper) -> int:
     """The wrapper's items in ``loader``'s first ``batches`` batches: one per batch when it is the loader's batch
     sampler (or automatic batching is off), else ``batch_size`` per batch."""
@@ -679,8 +685,7 @@ class CustomDDP(DDPStrategy):
         left, or one that failed first): a later iteration of a loader its user keeps must read it whole."""
         for wrapper, owner in list(_PENDING_SKIPS.items()):
             if owner == id(self):
-                wrapper.resume_within_epoch(0, None)
-                del _PENDING_SKIPS[wrapper]
+                _drop_skip(wrapper)
 
     # ------------------------------------------------------------------ data
     @property
@@ -855,13 +860,16 @@ class CustomDDP(DDPStrategy):
             return
         resume = _compat.mid_epoch_resume(trainer)
         if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
-            wrapper.resume_within_epoch(epoch, None)  # a loader its user keeps may hold an earlier fit's skip
-            _PENDING_SKIPS.pop(wrapper, None)
+            _drop_skip(wrapper)  # a loader its user keeps may hold an earlier fit's skip
             return
         # Decided when the resumed iteration reads its first item: a loader shorter than the epoch ran out before
         # the checkpoint, and what it did then depends on the CombinedLoader's mode, which Lightning knows only
         # once every loader is processed.
-        wrapper.resume_within_epoch(resume[0], partial(self._resume_skip, trainer, loader, wrapper, *resume))
+        self._arm_skip(trainer, loader, wrapper, *resume)
+
+    def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> None:
+        """Make ``wrapper``'s next iteration of ``epoch`` ask :meth:`_resume_skip` what to skip."""
+        wrapper.resume_within_epoch(epoch, partial(self._resume_skip, trainer, loader, wrapper, epoch, done))
         _PENDING_SKIPS[wrapper] = id(self)
 
     def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> int:
@@ -869,9 +877,9 @@ class CustomDDP(DDPStrategy):
         said on rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint
         written during validation: that iteration skips nothing, and the skip waits for one read in training."""
         if trainer.state.stage != RunningStage.TRAINING:
-            wrapper.resume_within_epoch(epoch, partial(self._resume_skip, trainer, loader, wrapper, epoch, done))
+            self._arm_skip(trainer, loader, wrapper, epoch, done)
             return 0
-        _PENDING_SKIPS.pop(wrapper, None)
+        _PENDING_SKIPS.pop(wrapper, None)  # taken
         name, source, batches = type(self).__name__, type(wrapper.source).__name__, len(loader)
         if done < batches:
             rank_zero_info(

@@ -724,8 +724,8 @@ def _holds_plain_float(value: Any) -> bool:
 
 def _same(a: Any, b: Any) -> bool:
     """Equality for per-sample objects: tensors and floating-point numpy arrays as in :func:`_close_rows`, other
-    arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and tuples (a per-sample ``{"embedding": tensor, "id": 3}``) and
-    arrays of objects item by item, by these rules. An object is the same as itself, and NaNs match (floats,
+    arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and tuples (a per-sample
+    ``{"embedding": tensor, "id": 3}``) and arrays of objects item by item, by these rules. An object is the same as itself, and NaNs match (floats,
     complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
