@@ -325,6 +325,20 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
     return bool(states) and isinstance(loader, _Stateful)
 
 
+def restart_training_iterator(trainer: "pl.Trainer") -> bool:
+    """Make the fit loop's training iterator again, as its set-up does: load the restored states of stateful
+    loaders, then iterate. A resumed fit's first epoch runs on the iterator the set-up made; False when this
+    Lightning keeps none where it is looked for (nothing was made again)."""
+    fit_loop = trainer.fit_loop
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    load_loader_states = getattr(fit_loop, "_load_combined_loader_states", None)
+    if fetcher is None or load_loader_states is None:
+        return False
+    load_loader_states()
+    iter(fetcher)
+    return True
+
+
 def training_loader_mode(trainer: "pl.Trainer") -> Optional[str]:
     """The mode of the fit loop's ``CombinedLoader`` ("max_size_cycle" unless its user chose another); None
     before the fit loop has combined its training loaders, which it does after processing each of them."""

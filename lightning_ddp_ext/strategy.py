@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Dict, Generator, List, Literal, Optional, Union
+from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -944,6 +944,29 @@ class CustomDDP(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # Lightning restores the loops just before the optimizers: the first moment a training loader set up
+        # before the checkpoint was loaded can learn where it was written.
+        trainer = self._attached_trainer
+        if self._trained_loader_set_up_early and trainer is not None:
+            self._prepare_early_training_loaders_again(trainer)
+
+    def _prepare_early_training_loaders_again(self, trainer: Trainer) -> None:
+        """Prepare the training loaders for the restored epoch and position, and make their iterator again.
+
+        A LightningModule ``setup`` or ``configure_model`` hook that reads ``trainer.estimated_stepping_batches``
+        has Lightning set the training loaders up, and make the iterator the resumed epoch runs on, before it
+        loads the checkpoint: that iterator would train the batches before a mid-epoch checkpoint again, draw
+        them in epoch 0's order with ``num_workers > 0`` (its workers read the sampler at once), and leave a
+        stateful loader unrestored.
+        """
+        for loader in _compat.current_loaders(trainer, RunningStage.TRAINING):
+            if isinstance(loader, DataLoader):
+                self._prepare_first_epoch(loader, trainer)
+        self._trained_loader_set_up_early = not _compat.restart_training_iterator(trainer)
+
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self._attached_trainer
@@ -951,9 +974,10 @@ class CustomDDP(DDPStrategy):
             rank_zero_warn(
                 f"{type(self).__name__}: the training loader was set up before the checkpoint this fit resumes was"
                 " loaded (in the LightningModule's setup or configure_model hook: reading"
-                " trainer.estimated_stepping_batches there does it), so its sampler could not be told where the"
-                " checkpoint was written. After a mid-epoch checkpoint the batches trained before it are trained"
-                " again, and with num_workers > 0 the first resumed epoch is drawn in epoch 0's order. Read"
+                " trainer.estimated_stepping_batches there does it), and this Lightning version keeps no training"
+                " iterator where CustomDDP can make it again, so its sampler could not be told where the checkpoint"
+                " was written. After a mid-epoch checkpoint the batches trained before it are trained again, and"
+                " with num_workers > 0 the first resumed epoch is drawn in epoch 0's order. Read"
                 " trainer.estimated_stepping_batches in configure_optimizers instead."
             )
         self._trained_loader_set_up_early = False

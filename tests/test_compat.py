@@ -102,3 +102,22 @@ def test_loader_states_restored_by_the_fit_loop() -> None:
     trainer.fit_loop._combined_loader_states_to_load = [{}]
     assert _compat.restores_loader_position(trainer, Stateful(range(4)))
     assert not _compat.restores_loader_position(trainer, DataLoader(range(4)))
+
+
+def test_training_iterator_made_again_as_the_fit_loop_makes_it() -> None:
+    """The checkpoint connector restores the loops just before it asks the strategy to load the optimizer states
+    (where CustomDDP prepares a training loader set up before the checkpoint was loaded); the fit loop's set-up
+    loads the loader states, then makes the iterator that a resumed fit's first epoch runs on, which the training
+    epoch loop does not make again while it restarts."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    restore = inspect.getsource(_CheckpointConnector.restore_training_state)
+    assert restore.index("self.restore_loops()") < restore.index("self.restore_optimizers_and_schedulers()")
+    assert "strategy.load_optimizer_state_dict(" in inspect.getsource(_CheckpointConnector.restore_optimizers)
+    setup = inspect.getsource(_FitLoop.setup_data)
+    assert setup.index("self._load_combined_loader_states()") < setup.index("iter(self._data_fetcher)")
+    assert "not self.restarting" in inspect.getsource(_TrainingEpochLoop.on_run_start)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert _compat.restart_training_iterator(trainer) is False  # not set up: there is no iterator to make again

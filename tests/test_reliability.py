@@ -274,8 +274,10 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_resumed", "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
-            "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed")
+            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
+            "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
+            "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
+            "stateful_early_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -291,6 +293,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("user_dealt", "resumed", ["only"]),
         ("user_sharded", "resumed", ["only"]),
         ("estimating", "resumed", ["only"]),
+        ("early", "resumed", ["only"]),
+        ("stateful", "early_resumed", ["only"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
@@ -302,7 +306,9 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass; one that ran out in mode
     "max_size" yields nothing more. A loader its user dealt (with our wrapper, or torch's DistributedSampler),
     with a worker, resumes like one CustomDDP dealt; so does one Lightning sets up before it restores the
-    checkpoint's loops (for a configure_optimizers that reads estimated_stepping_batches). A StatefulDataLoader restores its own position (Lightning loads its state), so the sampler must not skip its
+    checkpoint's loops (for a configure_optimizers that reads estimated_stepping_batches), and one it sets up
+    before it even loads the checkpoint (for a setup hook that reads it). A StatefulDataLoader restores its own
+    position (Lightning loads its state, also when set up in the setup hook), so the sampler must not skip its
     batches again."""
     if run in ("limited", "user_sharded") and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
@@ -325,6 +331,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "sized": "mode 'max_size' it ran out before the checkpoint, so it yields nothing more this epoch",
         "user_dealt": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "estimating": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
+        "early": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
@@ -332,20 +339,20 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_and_a_resume_from_there_warns(
+def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resumes_without_a_warning(
     resume_edge_runs: Dict[str, List[Dict[str, Any]]]
 ) -> None:
     """Reading trainer.estimated_stepping_batches in the LightningModule's setup hook sets the train loader up
     before the strategy's setup: the custom batch sampler must be dealt as usual (Lightning's own sampler
-    replacement, not yet turned off, would raise that it cannot inject a sampler into it). A fit resumed so
-    cannot know the checkpoint's position when the loader is set up, and says so."""
+    replacement, not yet turned off, would raise that it cannot inject a sampler into it). Its resume is
+    prepared once the loops are restored (test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run
+    [early-resumed-loaders8]), so nothing warns that it could not be."""
     for rank in range(WORLD):
         early, usual = (resume_edge_runs[run][rank] for run in ("early", "estimating"))
         assert early["seen"]["train/only"] == usual["seen"]["train/only"], f"rank {rank} was dealt otherwise"
-    warned = resume_edge_runs["early_resumed"][0]["facts"]["warnings"]
-    assert any("set up before the checkpoint this fit resumes was loaded" in line for line in warned), warned
-    for run in ("early", "estimating_resumed"):  # a fit that does not resume; one that sets up after loading
-        assert not any("set up before the checkpoint" in line for line in resume_edge_runs[run][0]["facts"]["warnings"])
+    for run in ("early", "early_resumed", "stateful_early_resumed"):
+        warned = resume_edge_runs[run][0]["facts"]["warnings"]
+        assert not any("set up before the checkpoint" in line for line in warned), warned
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

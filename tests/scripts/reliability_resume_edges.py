@@ -20,7 +20,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   with a worker process, 2 epochs; ``estimating_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``estimating_resumed`` finishes from it.
 * ``early``: as ``estimating``, but the model reads ``trainer.estimated_stepping_batches`` in its ``setup``
-  hook; ``early_first`` and ``early_resumed`` likewise.
+  hook (Lightning sets the train loader up before it loads the checkpoint); ``early_first`` and
+  ``early_resumed`` likewise.
 * ``user_sharded``: a loader its user sharded with torch's ``DistributedSampler``, with a worker process, 2
   epochs; ``user_sharded_first`` stops at the end of epoch 0 with a checkpoint; ``user_sharded_resumed`` trains
   epoch 1 from it.
@@ -32,7 +33,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   before it trains.
 * ``stateful``: torchdata's ``StatefulDataLoader``, whose position the checkpoint holds and Lightning restores,
   one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
-  the epoch from it.
+  the epoch from it, and so does ``stateful_early_resumed``, whose model reads
+  ``trainer.estimated_stepping_batches`` in its ``setup`` hook.
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
@@ -236,5 +238,7 @@ if __name__ == "__main__":
     fit_validating(out, "validating_resumed", checkpoints / "validating.ckpt")
     fit(out, "stateful", stateful_loader, max_epochs=1)
     fit(out, "stateful_first", stateful_loader, stop_at=STATEFUL_STOP, max_epochs=1)
-    fit(out, "stateful_resumed", stateful_loader, ckpt_path=checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt",
-        max_epochs=1)
+    stateful_checkpoint = checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt"
+    fit(out, "stateful_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1)
+    fit(out, "stateful_early_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
+        model_class=EstimatesStepsInSetup)
