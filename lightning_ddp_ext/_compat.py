@@ -325,6 +325,12 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
     return bool(states) and isinstance(loader, _Stateful)
 
 
+def reloads_training_loaders(trainer: "pl.Trainer") -> bool:
+    """Whether the fit loop sets its training loaders up again when it starts (``reload_dataloaders_every_n_epochs``
+    since the epoch it last did, which a loader set up before the checkpoint was loaded counts as 0)."""
+    return bool(getattr(trainer.fit_loop, "_should_reload_train_dl", False))
+
+
 def restart_training_iterator(trainer: "pl.Trainer") -> bool:
     """Make the fit loop's training iterator again, as its set-up does: load the restored states of stateful
     loaders, then iterate. A resumed fit's first epoch runs on the iterator the set-up made; False when this

@@ -28,7 +28,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
@@ -147,11 +147,28 @@ def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
     return wrapper.epoch_digest if wrapper.even_shares else None
 
 
+def _index_sampler(loader: DataLoader) -> object:
+    """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler``, whether made from
+    ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else ``loader.sampler``."""
+    batching = loader.batch_sampler
+    return batching.sampler if type(batching) is BatchSampler else loader.sampler
+
+
 def _wrapper_of(loader: object) -> Optional[_Wrapper]:
-    for candidate in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+    """Our wrapper that deals ``loader`` out: its batch sampler, or the sampler its batches are drawn from."""
+    if not isinstance(loader, DataLoader):
+        return None
+    for candidate in (loader.batch_sampler, _index_sampler(loader)):
         if isinstance(candidate, _WRAPPER_TYPES):
             return candidate
     return None
+
+
+def _items_per_batch(loader: DataLoader, sampler: object) -> int:
+    """How many of ``sampler``'s items one of ``loader``'s batches takes: one when it is the batch sampler or
+    automatic batching is off, else the batch size of the plain ``BatchSampler`` over it."""
+    batching = loader.batch_sampler
+    return 1 if batching is None or batching is sampler else int(getattr(batching, "batch_size"))
 
 
 def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
@@ -175,11 +192,8 @@ def _drop_skip(wrapper: _Wrapper) -> None:
 
 
 def _items_in(batches: int, loader: DataLoader, wrapper: _Wrapper) -> int:
-    """The wrapper's items in ``loader``'s first ``batches`` batches: one per batch when it is the loader's batch
-    sampler (or automatic batching is off), else ``batch_size`` per batch."""
-    if wrapper is loader.batch_sampler or loader.batch_size is None:
-        return batches
-    return min(len(wrapper), batches * loader.batch_size)
+    """The wrapper's items in ``loader``'s first ``batches`` batches."""
+    return min(len(wrapper), batches * _items_per_batch(loader, wrapper))
 
 
 class CustomDDP(DDPStrategy):
@@ -263,7 +277,7 @@ class CustomDDP(DDPStrategy):
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
         self._set_up = False  # between setup and setup_environment of the next run
-        self._trained_loader_set_up_early = False  # see on_train_start
+        self._trained_loader_set_up_early = False  # see load_optimizer_state_dict
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -757,6 +771,8 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._set_up:
+            self._trained_loader_set_up_early = True  # before the checkpoint was loaded: see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:
             return dataloader
         stage = trainer.state.stage
@@ -850,10 +866,9 @@ class CustomDDP(DDPStrategy):
         pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
         wrapper = _wrapper_of(loader)
-        sampler = wrapper if wrapper is not None else loader.sampler
+        sampler = wrapper if wrapper is not None else _index_sampler(loader)
         epoch = _compat.epoch_for_samplers(trainer)
         if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)):
-            self._trained_loader_set_up_early = not self._set_up  # before the checkpoint was loaded?
             if sampler.epoch != epoch:
                 sampler.set_epoch(epoch)
         if wrapper is None:
@@ -958,29 +973,24 @@ class CustomDDP(DDPStrategy):
         A LightningModule ``setup`` or ``configure_model`` hook that reads ``trainer.estimated_stepping_batches``
         has Lightning set the training loaders up, and make the iterator the resumed epoch runs on, before it
         loads the checkpoint: that iterator would train the batches before a mid-epoch checkpoint again, draw
-        them in epoch 0's order with ``num_workers > 0`` (its workers read the sampler at once), and leave a
-        stateful loader unrestored.
+        them in epoch 0's order with ``num_workers > 0`` (its workers read the sampler at once), and leave
+        stateful loaders unrestored. Nothing to do when the fit loop is about to set its loaders up again.
         """
-        for loader in _compat.current_loaders(trainer, RunningStage.TRAINING):
-            if isinstance(loader, DataLoader):
-                self._prepare_first_epoch(loader, trainer)
-        self._trained_loader_set_up_early = not _compat.restart_training_iterator(trainer)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        trainer = self._attached_trainer
-        if self._trained_loader_set_up_early and trainer is not None and trainer.ckpt_path is not None:
+        if _compat.reloads_training_loaders(trainer):
+            return
+        if self._replace_samplers:
+            for loader in _compat.current_loaders(trainer, RunningStage.TRAINING):
+                if isinstance(loader, DataLoader):
+                    self._prepare_first_epoch(loader, trainer)
+        if not _compat.restart_training_iterator(trainer):
             rank_zero_warn(
-                f"{type(self).__name__}: the training loader was set up before the checkpoint this fit resumes was"
+                f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes was"
                 " loaded (in the LightningModule's setup or configure_model hook: reading"
-                " trainer.estimated_stepping_batches there does it), and this Lightning version keeps no training"
-                " iterator where CustomDDP can make it again, so its sampler could not be told where the checkpoint"
-                " was written. After a mid-epoch checkpoint the batches trained before it are trained again, and"
-                " with num_workers > 0 the first resumed epoch is drawn in epoch 0's order. Read"
-                " trainer.estimated_stepping_batches in configure_optimizers instead."
+                " trainer.estimated_stepping_batches there does it), and their iterator could not be made again, so"
+                " they start where they started then: after a mid-epoch checkpoint the batches trained before it"
+                " are trained again, and with num_workers > 0 the first resumed epoch is drawn in epoch 0's order."
+                " Read trainer.estimated_stepping_batches in configure_optimizers instead."
             )
-        self._trained_loader_set_up_early = False
 
     @override
     def on_train_end(self) -> None:
@@ -1051,7 +1061,7 @@ class CustomDDP(DDPStrategy):
             if isinstance(wrapper, DistributedBatchSamplerWrapper):
                 return [int(i) for batch in real for i in batch]
             return [int(i) for i in real]
-        sampler = loader.sampler
+        sampler = _index_sampler(loader)
         if isinstance(sampler, DistributedSampler):  # deterministic: iterating it again gives the same share
             indices = list(sampler)
             return indices[: len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))]  # type: ignore[arg-type]
@@ -1099,8 +1109,9 @@ class CustomDDP(DDPStrategy):
         wrapper = _wrapper_of(loader)
         if isinstance(wrapper, DistributedBatchSamplerWrapper):
             return sum(map(len, wrapper.yielded[:batches]))
-        dealt = len(wrapper.yielded) if wrapper is not None else len(loader.sampler)  # type: ignore[arg-type]
-        return min(batches * (loader.batch_size or 1), dealt)
+        sampler = wrapper if wrapper is not None else _index_sampler(loader)
+        dealt = len(wrapper.yielded) if wrapper is not None else len(sampler)  # type: ignore[arg-type]
+        return min(batches * _items_per_batch(loader, sampler), dealt)
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
         trainer = self._attached_trainer

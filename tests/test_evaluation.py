@@ -11,11 +11,13 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 import torch
 from distributed_helpers import single_rank_in_this_process
 from reliability_common import free_port
-from scenarios import TEST_PG_TIMEOUT, IndexDataset, LengthBuckets, trainer_kwargs
-from torch.utils.data import DataLoader
+from scenarios import TEST_PG_TIMEOUT, EveryThirdFirst, IndexDataset, LengthBuckets, trainer_kwargs
+from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP
+from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 
 # Every test that spawns ranks: a fresh port and no rank left behind (see conftest.spawn_job).
 pytestmark = pytest.mark.usefixtures("spawn_job")
@@ -96,6 +98,8 @@ class CarelessEmbedder(Embedder):
     """Gathers the outputs of its one loader as asked: ``"per_batch"`` forgets ``torch.cat``, ``"skipped_batch"``
     records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit, ``"two_epochs"`` after
     each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself,
+    ``"user_batched"`` from one it dealt by index and batched with torch's plain ``BatchSampler`` given as
+    ``batch_sampler=``, ``"user_sharded"`` from one with that ``BatchSampler`` over torch's ``DistributedSampler``,
     ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator."""
 
     def __init__(self, out_dir: str, case: str) -> None:
@@ -114,6 +118,12 @@ class CarelessEmbedder(Embedder):
             if not hasattr(self, "shared"):
                 self.shared = lightning_ddp_ext.patch_dataloader_to_ddp(loaders()[1])
             return self.shared
+        if self.case == "user_batched":
+            dealt = DistributedSamplerWrapper(EveryThirdFirst(SIZE), even_shares=False)
+            return DataLoader(IndexDataset(SIZE), batch_sampler=BatchSampler(dealt, batch_size=4, drop_last=False))
+        if self.case == "user_sharded":
+            sharded = DistributedSampler(IndexDataset(SIZE), shuffle=False)
+            return DataLoader(IndexDataset(SIZE), batch_sampler=BatchSampler(sharded, batch_size=4, drop_last=False))
         return lightning_ddp_ext.patch_dataloader_to_ddp(loaders()[1], even_shares=False)  # as the guide shows
 
     def train_dataloader(self) -> DataLoader:
@@ -151,6 +161,8 @@ class TwoBatchesAStep(CarelessEmbedder):
         ("sanity", None),
         ("two_epochs", None),
         ("user_dealt", None),
+        ("user_batched", None),
+        ("user_sharded", None),
         ("dataloader_iter", None),
         ("shared", "is a training loader too, so it does not keep what it yields"),
     ],
@@ -185,7 +197,7 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
             with pytest.raises(Exception, match=f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"):
                 trainer.validate(model, loader)
             return
-        if case == "user_dealt":
+        if case in ("user_dealt", "user_batched", "user_sharded"):
             trainer.validate(model)
             batches_a_run = 5
         else:
@@ -196,6 +208,9 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
     for run in range(runs):
         if case == "two_epochs":  # a default sampler deals samples: rank r takes r, r + 2, ..., 4 to a batch
             owns = [list(range(r, SIZE, 2))[: 4 * batches_a_run] for r in range(2)]
+        elif case in ("user_batched", "user_sharded"):  # rank r takes positions r, r + 2, ... of the order, all
+            order = list(EveryThirdFirst(SIZE)) if case == "user_batched" else list(range(SIZE))
+            owns = [order[r::2] for r in range(2)]
         else:  # batches r, r + 2, ... (exact mode: no padding)
             owns = [[i for batch in dealt[r::2][:batches_a_run] for i in batch] for r in range(2)]
         for rank, own in enumerate(owns):  # the loader may have yielded more than was evaluated (prefetching)

@@ -274,10 +274,12 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
-            "user_sharded", "user_sharded_first", "user_sharded_resumed", "shared_resumed",
+            "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
+            "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
+            "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
-            "stateful_early_resumed")
+            "stateful_early_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
+            "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -295,6 +297,10 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("estimating", "resumed", ["only"]),
         ("early", "resumed", ["only"]),
         ("stateful", "early_resumed", ["only"]),
+        ("user_batched", "resumed", ["only"]),
+        ("user_sharded_batched", "resumed", ["only"]),
+        ("stateful_streams", "resumed", ["stream"]),
+        ("stateful_streams_reloaded", "resumed", ["dealt", "stream"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
@@ -305,12 +311,13 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     inside it), also by a loader with workers, whose iterator reads the sampler as soon as it is made. A loader
     that CombinedLoader restarts ("max_size_cycle") resumes inside its current pass; one that ran out in mode
     "max_size" yields nothing more. A loader its user dealt (with our wrapper, or torch's DistributedSampler),
-    with a worker, resumes like one CustomDDP dealt; so does one Lightning sets up before it restores the
+    with a worker, resumes like one CustomDDP dealt, also when its batch_sampler= is a plain BatchSampler over
+    our index wrapper; so does one Lightning sets up before it restores the
     checkpoint's loops (for a configure_optimizers that reads estimated_stepping_batches), and one it sets up
     before it even loads the checkpoint (for a setup hook that reads it). A StatefulDataLoader restores its own
     position (Lightning loads its state, also when set up in the setup hook), so the sampler must not skip its
     batches again."""
-    if run in ("limited", "user_sharded") and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
+    if run in ("limited", "user_sharded", "user_sharded_batched") and not hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end"):
         pytest.skip(
             "this Lightning (no restart stages in its training epoch loop, as in 2.2) re-runs the batch whose"
             " on_train_batch_end wrote the checkpoint, so its resumed epoch trains one batch more than the"
@@ -318,7 +325,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         )
     # Lightning without restart stages (2.2) re-runs the batch whose on_train_batch_end wrote the checkpoint,
     # except from a stateful loader, which goes on after the last batch it yielded.
-    rerun = 0 if run == "stateful" or hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
+    rerun = 0 if run.startswith("stateful") or hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
     for rank in range(WORLD):
         for loader in loaders:
             key = f"train/{loader}"
@@ -331,6 +338,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "sized": "mode 'max_size' it ran out before the checkpoint, so it yields nothing more this epoch",
         "user_dealt": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "estimating": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
+        "user_batched": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "early": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
     }.get(run)
     if said is not None:

@@ -16,6 +16,9 @@ Usage: python reliability_resume_edges.py OUT_DIR
 * ``user_dealt``: a loader its user dealt with ``patch_dataloader_to_ddp`` in a LightningDataModule, with a
   worker process, 2 epochs; ``user_dealt_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``user_dealt_resumed`` finishes from it.
+* ``user_batched``: as ``user_dealt``, but the loader's ``batch_sampler=`` is torch's plain ``BatchSampler`` over
+  a ``DistributedSamplerWrapper`` (shuffled) of a custom index sampler; ``user_batched_first`` and
+  ``user_batched_resumed`` likewise.
 * ``estimating``: a model whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, a loader
   with a worker process, 2 epochs; ``estimating_first`` stops 2 steps into epoch 1 with a checkpoint;
   ``estimating_resumed`` finishes from it.
@@ -24,7 +27,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   ``early_resumed`` likewise.
 * ``user_sharded``: a loader its user sharded with torch's ``DistributedSampler``, with a worker process, 2
   epochs; ``user_sharded_first`` stops at the end of epoch 0 with a checkpoint; ``user_sharded_resumed`` trains
-  epoch 1 from it.
+  epoch 1 from it. ``user_sharded_batched`` (and its ``_first`` and ``_resumed``) likewise, with the
+  ``DistributedSampler`` under torch's plain ``BatchSampler`` given as ``batch_sampler=``.
 * ``shared``: one loader its user dealt serves training and validation; ``shared_first`` stops after step 2
   with a checkpoint; ``shared_resumed`` resumes it with no step left to train, then trains one epoch with
   ``use_distributed_sampler=False``, then validates.
@@ -35,12 +39,17 @@ Usage: python reliability_resume_edges.py OUT_DIR
   one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
   the epoch from it, and so does ``stateful_early_resumed``, whose model reads
   ``trainer.estimated_stepping_batches`` in its ``setup`` hook.
+* ``stateful_streams``: that model, with a stateful loader ``stream`` over an IterableDataset (not dealt, so no
+  wrapper of ours is there to prepare), 2 epochs; ``stateful_streams_first`` stops 2 steps into epoch 1 with a
+  checkpoint; ``stateful_streams_resumed`` finishes from it. ``stateful_streams_reloaded`` (and its ``_first``
+  and ``_resumed``) likewise, with ``reload_dataloaders_every_n_epochs=1`` and a second stateful loader,
+  ``dealt`` (as in ``stateful``).
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -49,9 +58,11 @@ from reliability_common import (
     DataLoader, EveryThirdFirst, IndexDataset, WeightRecorder, pk_loader, run_guarded, strategy, trainer_kwargs,
     worker_context,
 )
+from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
@@ -94,6 +105,29 @@ def stateful_loader() -> Any:
     return StatefulDataLoader(plain.dataset, batch_sampler=plain.batch_sampler)
 
 
+class Stream(IterableDataset):
+    """The items of an ``IndexDataset`` in order, on every rank alike (sharding it would be its own job)."""
+
+    def __init__(self, size: int) -> None:
+        self.items = IndexDataset(size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.items[i] for i in range(len(self.items)))
+
+    def __len__(self) -> int:  # sized: Lightning then fetches no batch ahead, which the loader's state would count
+        return len(self.items)
+
+
+def stateful_stream() -> Dict[str, Any]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return {"stream": StatefulDataLoader(Stream(48), batch_size=8)}
+
+
+def stateful_streams() -> Dict[str, Any]:
+    return {"dealt": stateful_loader(), **stateful_stream()}
+
+
 def two_loaders() -> Dict[str, Any]:
     # "c": a custom index sampler, whose wrapper skips samples (4 per batch), not batches.
     c = DataLoader(IndexDataset(16), sampler=EveryThirdFirst(16), batch_size=4)
@@ -133,14 +167,35 @@ class UserDealt(pl.LightningDataModule):
         return patch_dataloader_to_ddp(pk_loader(size=96, num_workers=1))
 
 
+class UserBatched(pl.LightningDataModule):
+    """A training loader its user dealt by index, batched by torch's plain BatchSampler given as batch_sampler=
+    (the loader's own ``sampler`` is then a SequentialSampler), read by a worker process."""
+
+    def train_dataloader(self) -> Any:
+        dealt = DistributedSamplerWrapper(EveryThirdFirst(96), shuffle=True, seed=5)
+        context = worker_context("lightning.pytorch")
+        return DataLoader(IndexDataset(96), batch_sampler=BatchSampler(dealt, batch_size=8, drop_last=False),
+                          num_workers=1, multiprocessing_context=context)
+
+
 class UserSharded(pl.LightningDataModule):
     """A training loader its user sharded with torch's DistributedSampler, read by a worker process."""
 
+    def __init__(self, batched: bool = False) -> None:
+        super().__init__()
+        self.batched = batched
+
     def train_dataloader(self) -> Any:
         dataset = IndexDataset(96)
-        context = worker_context("lightning.pytorch")
-        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, seed=3), num_workers=1,
-                          multiprocessing_context=context)
+        sampler, context = DistributedSampler(dataset, seed=3), worker_context("lightning.pytorch")
+        if self.batched:  # the loader's own sampler is then a SequentialSampler
+            return DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch_size=8, drop_last=False),
+                              num_workers=1, multiprocessing_context=context)
+        return DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=1, multiprocessing_context=context)
+
+
+def user_sharded_batched() -> UserSharded:
+    return UserSharded(batched=True)
 
 
 class SharedLoader(pl.LightningDataModule):
@@ -218,6 +273,10 @@ if __name__ == "__main__":
     fit(out, "user_dealt_first", UserDealt, stop_at=USER_DEALT_STOP, max_epochs=2)
     fit(out, "user_dealt_resumed", UserDealt, ckpt_path=checkpoints / f"user_dealt_first-step={USER_DEALT_STOP}.ckpt",
         max_epochs=2)
+    fit(out, "user_batched", UserBatched, max_epochs=2)
+    fit(out, "user_batched_first", UserBatched, stop_at=USER_DEALT_STOP, max_epochs=2)
+    fit(out, "user_batched_resumed", UserBatched,
+        ckpt_path=checkpoints / f"user_batched_first-step={USER_DEALT_STOP}.ckpt", max_epochs=2)
     estimating = dict(max_epochs=2, model_class=EstimatesSteps)
     fit(out, "estimating", loader_with_workers, **estimating)
     fit(out, "estimating_first", loader_with_workers, stop_at=USER_DEALT_STOP, **estimating)
@@ -232,6 +291,10 @@ if __name__ == "__main__":
     fit(out, "user_sharded_first", UserSharded, stop_at=USER_SHARDED_STOP, max_epochs=2)
     fit(out, "user_sharded_resumed", UserSharded,
         ckpt_path=checkpoints / f"user_sharded_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
+    fit(out, "user_sharded_batched", user_sharded_batched, max_epochs=2)
+    fit(out, "user_sharded_batched_first", user_sharded_batched, stop_at=USER_SHARDED_STOP, max_epochs=2)
+    fit(out, "user_sharded_batched_resumed", user_sharded_batched,
+        ckpt_path=checkpoints / f"user_sharded_batched_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
     fit(out, "shared_first", SharedLoader, stop_at=SHARED_STOP, max_epochs=1)
     resume_then_reuse(out, "shared_resumed", checkpoints / f"shared_first-step={SHARED_STOP}.ckpt")
     fit_validating(out, "validating")
@@ -242,3 +305,8 @@ if __name__ == "__main__":
     fit(out, "stateful_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1)
     fit(out, "stateful_early_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
         model_class=EstimatesStepsInSetup)
+    for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
+        streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
+        fit(out, run, loaders, **streams)
+        fit(out, f"{run}_first", loaders, stop_at=USER_DEALT_STOP, **streams)
+        fit(out, f"{run}_resumed", loaders, ckpt_path=checkpoints / f"{run}_first-step={USER_DEALT_STOP}.ckpt", **streams)
