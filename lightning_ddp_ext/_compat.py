@@ -263,7 +263,7 @@ def _restored_progress(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
 
     Lightning loads the checkpoint before the strategy's setup but restores the loops after it, and a
     ``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (as for ``OneCycleLR``) sets the
-    train loader up in between, for good: the progress is then read from the loaded checkpoint. Read while the
+    train loader up in between (and keeps it): the progress is then read from the loaded checkpoint. Read while the
     train loader is being set up, before ``FitLoop.reset`` interprets the restored progress.
     """
     fit_loop = trainer.fit_loop
@@ -319,7 +319,7 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
     A loader with ``state_dict`` and ``load_state_dict`` (torchdata's ``StatefulDataLoader``, for example) is
     saved in the checkpoint by the fit loop, which loads its state back once the train loader is set up: the
     loader then skips the batches it had yielded by itself, so a sampler must not skip them too. A loader set up
-    before the loops are restored (see :func:`_restored_progress`) is not: only that set-up would load it.
+    before the loops are restored (see :func:`_restored_progress`) is not, until :func:`restart_training_iterator`.
     """
     states = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
     return bool(states) and isinstance(loader, _Stateful)

@@ -276,8 +276,9 @@ class CustomDDP(DDPStrategy):
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
-        self._set_up = False  # between setup and setup_environment of the next run
-        self._trained_loader_set_up_early = False  # see load_optimizer_state_dict
+        #: Whether the checkpoint this fit resumes has restored the loops, and whether a training loader was set up
+        #: before that (see `load_optimizer_state_dict`).
+        self._restored = self._trained_loader_set_up_before_restore = False
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -330,7 +331,7 @@ class CustomDDP(DDPStrategy):
     def setup_environment(self) -> None:
         # Before the LightningModule's `setup` hook, which may set the train loader up already (by reading
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
-        self._set_up = self._trained_loader_set_up_early = False
+        self._restored = self._trained_loader_set_up_before_restore = False
         super().setup_environment()
         trainer = self._attached_trainer
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
@@ -345,7 +346,6 @@ class CustomDDP(DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._set_up = True
         self._take_over_sampler_replacement(trainer)
         if trainer.state.fn == TrainerFn.PREDICTING and self._replace_samplers:
             self._warn_of_sampler_kwargs_lightning_cannot_take()
@@ -771,8 +771,8 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._set_up:
-            self._trained_loader_set_up_early = True  # before the checkpoint was loaded: see load_optimizer_state_dict
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._restored:
+            self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:
             return dataloader
         stage = trainer.state.stage
@@ -962,19 +962,25 @@ class CustomDDP(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         # Lightning restores the loops just before the optimizers: the first moment a training loader set up
-        # before the checkpoint was loaded can learn where it was written.
+        # before that can learn where the checkpoint was written. (A tuner restoring its own checkpoint in a fit
+        # that does not resume has nothing to tell.)
         trainer = self._attached_trainer
-        if self._trained_loader_set_up_early and trainer is not None:
-            self._prepare_early_training_loaders_again(trainer)
+        if trainer is None or trainer.ckpt_path is None:
+            return
+        self._restored = True
+        if self._trained_loader_set_up_before_restore:
+            self._prepare_training_loaders_again(trainer)
 
-    def _prepare_early_training_loaders_again(self, trainer: Trainer) -> None:
+    def _prepare_training_loaders_again(self, trainer: Trainer) -> None:
         """Prepare the training loaders for the restored epoch and position, and make their iterator again.
 
-        A LightningModule ``setup`` or ``configure_model`` hook that reads ``trainer.estimated_stepping_batches``
-        has Lightning set the training loaders up, and make the iterator the resumed epoch runs on, before it
-        loads the checkpoint: that iterator would train the batches before a mid-epoch checkpoint again, draw
-        them in epoch 0's order with ``num_workers > 0`` (its workers read the sampler at once), and leave
-        stateful loaders unrestored. Nothing to do when the fit loop is about to set its loaders up again.
+        Reading ``trainer.estimated_stepping_batches`` has Lightning set the training loaders up, and make the
+        iterator the resumed epoch runs on, before it restores the checkpoint's loops: in a LightningModule
+        ``setup`` or ``configure_model`` hook even before it loads the checkpoint, so that iterator would train the
+        batches before a mid-epoch checkpoint again and draw them in epoch 0's order with ``num_workers > 0`` (its
+        workers read the sampler at once); in ``configure_optimizers`` too (the position is then read from the
+        loaded checkpoint), where stateful loaders would be left unrestored. Nothing to do when the fit loop is
+        about to set its loaders up again.
         """
         if _compat.reloads_training_loaders(trainer):
             return
@@ -984,12 +990,11 @@ class CustomDDP(DDPStrategy):
                     self._prepare_first_epoch(loader, trainer)
         if not _compat.restart_training_iterator(trainer):
             rank_zero_warn(
-                f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes was"
-                " loaded (in the LightningModule's setup or configure_model hook: reading"
-                " trainer.estimated_stepping_batches there does it), and their iterator could not be made again, so"
-                " they start where they started then: after a mid-epoch checkpoint the batches trained before it"
-                " are trained again, and with num_workers > 0 the first resumed epoch is drawn in epoch 0's order."
-                " Read trainer.estimated_stepping_batches in configure_optimizers instead."
+                f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes"
+                " restored the loops (reading trainer.estimated_stepping_batches in a setup, configure_model or"
+                " configure_optimizers hook does it), and this Lightning keeps their iterator where it cannot be made"
+                " again: they start as they were set up then. Read it in configure_optimizers, where the sampler"
+                " still resumes at the checkpoint's position (a stateful loader's own state is not restored)."
             )
 
     @override

@@ -278,7 +278,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
-            "stateful_early_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
+            "stateful_early_resumed", "stateful_estimating_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
             "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
@@ -301,6 +301,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("user_sharded_batched", "resumed", ["only"]),
         ("stateful_streams", "resumed", ["stream"]),
         ("stateful_streams_reloaded", "resumed", ["dealt", "stream"]),
+        ("stateful", "estimating_resumed", ["only"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(

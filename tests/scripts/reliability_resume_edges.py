@@ -37,8 +37,9 @@ Usage: python reliability_resume_edges.py OUT_DIR
   before it trains.
 * ``stateful``: torchdata's ``StatefulDataLoader``, whose position the checkpoint holds and Lightning restores,
   one epoch; ``stateful_first`` stops after step 2 (mid-epoch) with a checkpoint; ``stateful_resumed`` finishes
-  the epoch from it, and so does ``stateful_early_resumed``, whose model reads
-  ``trainer.estimated_stepping_batches`` in its ``setup`` hook.
+  the epoch from it, and so do ``stateful_early_resumed``, whose model reads
+  ``trainer.estimated_stepping_batches`` in its ``setup`` hook, and ``stateful_estimating_resumed``, whose model
+  reads it in ``configure_optimizers``.
 * ``stateful_streams``: that model, with a stateful loader ``stream`` over an IterableDataset (not dealt, so no
   wrapper of ours is there to prepare), 2 epochs; ``stateful_streams_first`` stops 2 steps into epoch 1 with a
   checkpoint; ``stateful_streams_resumed`` finishes from it. ``stateful_streams_reloaded`` (and its ``_first``
@@ -305,6 +306,8 @@ if __name__ == "__main__":
     fit(out, "stateful_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1)
     fit(out, "stateful_early_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
         model_class=EstimatesStepsInSetup)
+    fit(out, "stateful_estimating_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
+        model_class=EstimatesSteps)
     for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
         streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
         fit(out, run, loaders, **streams)
