@@ -321,8 +321,12 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
     loader then skips the batches it had yielded by itself, so a sampler must not skip them too. A loader set up
     before the loops are restored (see :func:`_restored_progress`) is not, until :func:`restart_training_iterator`.
     """
-    states = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
-    return bool(states) and isinstance(loader, _Stateful)
+    return pending_loader_states(trainer) and isinstance(loader, _Stateful)
+
+
+def pending_loader_states(trainer: "pl.Trainer") -> bool:
+    """Whether the fit loop holds loader states from the checkpoint it resumes that no set-up has loaded yet."""
+    return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
 
 
 def reloads_training_loaders(trainer: "pl.Trainer") -> bool:

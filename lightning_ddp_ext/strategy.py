@@ -6,6 +6,7 @@ Lightning access in ``_compat``.
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import difflib
 import gc
 import inspect
@@ -147,18 +148,16 @@ def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
     return wrapper.epoch_digest if wrapper.even_shares else None
 
 
-def _index_sampler(loader: DataLoader) -> object:
+def _index_sampler(loader: object) -> object:
     """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler``, whether made from
     ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else ``loader.sampler``."""
-    batching = loader.batch_sampler
-    return batching.sampler if type(batching) is BatchSampler else loader.sampler
+    batching = getattr(loader, "batch_sampler", None)
+    return batching.sampler if type(batching) is BatchSampler else getattr(loader, "sampler", None)
 
 
 def _wrapper_of(loader: object) -> Optional[_Wrapper]:
     """Our wrapper that deals ``loader`` out: its batch sampler, or the sampler its batches are drawn from."""
-    if not isinstance(loader, DataLoader):
-        return None
-    for candidate in (loader.batch_sampler, _index_sampler(loader)):
+    for candidate in (getattr(loader, "batch_sampler", None), _index_sampler(loader)):
         if isinstance(candidate, _WRAPPER_TYPES):
             return candidate
     return None
@@ -795,22 +794,21 @@ class CustomDDP(DDPStrategy):
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
         if not isinstance(dataloader, DataLoader):
             self._warn_unsharded(dataloader, stage)
-        wrapper = _wrapper_of(patched if patched is not None else dataloader)
+        # Not dealt here (patched is None): its user's, possibly with our wrapper, or not a DataLoader. Prepared
+        # and checked as if we had dealt it.
+        loader = patched if patched is not None else dataloader
+        wrapper = _wrapper_of(loader)
         if wrapper is not None:  # for evaluated_indices(): evaluation shares are small, a training epoch may not be
             if training:  # a loader its user dealt may serve both: training wins, whichever was set up first
                 _TRAINING_WRAPPERS.add(wrapper)
             wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
-        if patched is None:  # not dealt here: its user's (possibly with our wrapper), or not a DataLoader
-            if training and isinstance(dataloader, DataLoader):  # its epoch and resume as if we had dealt it
-                self._prepare_first_epoch(dataloader, trainer)
-            return dataloader
-        if patched is dataloader:  # an empty split: nothing was dealt
-            return patched
+        if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split: nothing was dealt
+            return loader
         if wrapper is not None and not training and not wrapper.even_shares:
-            self._refuse_rank_without_batches(patched, wrapper, stage)
+            self._refuse_rank_without_batches(loader, wrapper, stage, users=patched is None)
         if training:
-            self._prepare_first_epoch(patched, trainer)
-        return patched
+            self._prepare_first_epoch(loader, trainer)
+        return loader
 
     def _patch(self, dataloader: object, training: bool) -> Optional[DataLoader]:
         """``dataloader`` dealt for this rank (``dataloader`` itself when it is an empty split); None for a loader
@@ -835,26 +833,32 @@ class CustomDDP(DDPStrategy):
             patched = _compat.rebuild_dataloader(dataloader, patched)
         return patched
 
-    def _refuse_rank_without_batches(self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage]) -> None:
-        """Raise, on every rank alike, when an exact deal leaves some rank with no evaluation batch.
+    def _refuse_rank_without_batches(
+        self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage], users: bool = False
+    ) -> None:
+        """Raise, on every rank alike, when an exact deal (ours, or a ``users`` wrapper with ``even_shares=False``)
+        leaves some rank with no evaluation batch.
 
         Lightning skips the whole evaluation on such a rank, epoch-end hooks included, so the other ranks'
-        epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``) would pair with unrelated
-        ones: a hang or a wrong result.
+        epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``, the consistency check) would
+        pair with unrelated ones: a hang or a wrong result.
         """
         if _fewest_exact_batches(loader, wrapper) > 0:
             return
         world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
         items = "batches" if isinstance(wrapper, DistributedBatchSamplerWrapper) else "samples"
+        who, fix = (f"{type(wrapper).__name__}(even_shares=False)", "even_shares=True") if users else (
+            f"{type(self).__name__}(eval_mode='exact')", "eval_mode='pad'"
+        )
         raise RuntimeError(
-            f"{type(self).__name__}(eval_mode='exact'): the {stage.value if stage else 'evaluation'} loader deals"
+            f"{who}: the {stage.value if stage else 'evaluation'} loader deals"
             f" {dealt} {items} of {type(wrapper.source).__name__} among {world} ranks, which leaves rank {world - 1}"
             " without a batch; Lightning would skip evaluation there and the other ranks' epoch-end synchronisation"
-            " would hang or give wrong values. Use fewer ranks, a smaller batch size, or eval_mode='pad'."
+            f" would hang or give wrong values. Use fewer ranks, a smaller batch size, or {fix}."
         )
 
-    def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> None:
-        """Set the epoch now, and the resume position after a mid-epoch checkpoint.
+    def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> bool:
+        """Set the epoch now, and the resume position after a mid-epoch checkpoint; whether it set either.
 
         Lightning creates the training iterator before its loop calls ``set_epoch``: with ``num_workers > 0``
         that iterator draws its first indices at once, so a resumed fit would train its first epoch on the
@@ -868,19 +872,21 @@ class CustomDDP(DDPStrategy):
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else _index_sampler(loader)
         epoch = _compat.epoch_for_samplers(trainer)
-        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)):
-            if sampler.epoch != epoch:
-                sampler.set_epoch(epoch)
+        epoch_set = False
+        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
+            sampler.set_epoch(epoch)
+            epoch_set = True
         if wrapper is None:
-            return
+            return epoch_set
         resume = _compat.mid_epoch_resume(trainer)
         if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
             _drop_skip(wrapper)  # a loader its user keeps may hold an earlier fit's skip
-            return
+            return epoch_set
         # Decided when the resumed iteration reads its first item: a loader shorter than the epoch ran out before
         # the checkpoint, and what it did then depends on the CombinedLoader's mode, which Lightning knows only
         # once every loader is processed.
         self._arm_skip(trainer, loader, wrapper, *resume)
+        return True
 
     def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> None:
         """Make ``wrapper``'s next iteration of ``epoch`` ask :meth:`_resume_skip` what to skip."""
@@ -984,17 +990,25 @@ class CustomDDP(DDPStrategy):
         """
         if _compat.reloads_training_loaders(trainer):
             return
+        loaders, changed = _compat.current_loaders(trainer, RunningStage.TRAINING), False
         if self._replace_samplers:
-            for loader in _compat.current_loaders(trainer, RunningStage.TRAINING):
+            for loader in loaders:
                 if isinstance(loader, DataLoader):
-                    self._prepare_first_epoch(loader, trainer)
-        if not _compat.restart_training_iterator(trainer):
+                    changed = self._prepare_first_epoch(loader, trainer) or changed
+        if not (changed or _compat.pending_loader_states(trainer)):
+            return  # the iterator made then yields what a new one would
+        one_shot = [type(loader).__name__ for loader in loaders if isinstance(loader, collections.abc.Iterator)]
+        if one_shot or not _compat.restart_training_iterator(trainer):
+            why = (
+                f"a training loader is an iterator, which cannot start again ({', '.join(one_shot)})" if one_shot
+                else "this Lightning keeps it where it cannot be made again"
+            )
             rank_zero_warn(
                 f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes"
                 " restored the loops (reading trainer.estimated_stepping_batches in a setup, configure_model or"
-                " configure_optimizers hook does it), and this Lightning keeps their iterator where it cannot be made"
-                " again: they start as they were set up then. Read it in configure_optimizers, where the sampler"
-                " still resumes at the checkpoint's position (a stateful loader's own state is not restored)."
+                f" configure_optimizers hook does it), and their iterator is not made again: {why}. They start as"
+                " they were set up then. Read it in configure_optimizers, where samplers of ours still resume at the"
+                " checkpoint's position (a stateful loader's own state is not restored)."
             )
 
     @override

@@ -202,7 +202,7 @@ class Recorder(pl.LightningModule):
             loaders = self.trainer.train_dataloader
             loaders = loaders if isinstance(loaders, dict) else {"only": loaders}
             self.facts["epochs_set"] = {
-                name: getattr(getattr(loader.batch_sampler, "batch_sampler", None), "epochs_set", None)
+                name: getattr(getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None), "epochs_set", None)
                 for name, loader in loaders.items()
             }
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"

@@ -346,3 +346,25 @@ def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> Non
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     with pytest.raises(Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"):
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))
+
+
+class ValidatesOnAnUnevenUserDeal(MeanLogger):
+    """Validates on a loader its user dealt by index with ``even_shares=False`` (7 samples: 4 and 3), batched by
+    torch's plain BatchSampler dropping the last partial batch of 4, which leaves rank 1 without a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allow_zero_length_dataloader_with_multiple_devices = True  # else Lightning refuses the empty rank
+
+    def val_dataloader(self) -> DataLoader:
+        dealt = DistributedSamplerWrapper(EveryThirdFirst(7), even_shares=False)
+        return DataLoader(IndexDataset(7), batch_sampler=BatchSampler(dealt, batch_size=4, drop_last=True))
+
+
+def test_a_user_deal_that_leaves_a_rank_without_batches_is_refused_too() -> None:
+    """The rank with no batch would skip validation and leave the others' epoch-end collectives (the consistency
+    check among them) unpaired: refused on every rank alike, naming the user's option."""
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
+    with pytest.raises(Exception, match=r"DistributedSamplerWrapper\(even_shares=False\): .* leaves rank 1 without a"
+                                        r" batch.*or even_shares=True"):
+        trainer.validate(ValidatesOnAnUnevenUserDeal())

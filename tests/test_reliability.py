@@ -279,7 +279,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
             "stateful_early_resumed", "stateful_estimating_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
-            "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed")
+            "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed",
+            "generator_resumed", "generator_early_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -359,9 +360,13 @@ def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resume
     for rank in range(WORLD):
         early, usual = (resume_edge_runs[run][rank] for run in ("early", "estimating"))
         assert early["seen"]["train/only"] == usual["seen"]["train/only"], f"rank {rank} was dealt otherwise"
-    for run in ("early", "early_resumed", "stateful_early_resumed"):
+    for run in ("early", "early_resumed", "stateful_early_resumed", "generator_early_resumed"):
         warned = resume_edge_runs[run][0]["facts"]["warnings"]
         assert not any("set up before the checkpoint" in line for line in warned), warned
+    # A one-shot iterable has nothing to prepare, and is not iterated again (its first iterator drew a batch).
+    for rank in range(WORLD):
+        early, usual = (resume_edge_runs[run][rank]["seen"] for run in ("generator_early_resumed", "generator_resumed"))
+        assert early == usual, f"rank {rank}: {early} != {usual}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -45,6 +45,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   checkpoint; ``stateful_streams_resumed`` finishes from it. ``stateful_streams_reloaded`` (and its ``_first``
   and ``_resumed``) likewise, with ``reload_dataloaders_every_n_epochs=1`` and a second stateful loader,
   ``dealt`` (as in ``stateful``).
+* ``generator``: a generator of batches (one-shot, not dealt), one epoch; ``generator_first`` stops after step 2
+  with a checkpoint; ``generator_resumed`` and ``generator_early_resumed`` (the ``setup``-hook model) go on from it.
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 from reliability_common import (
@@ -127,6 +130,12 @@ def stateful_stream() -> Dict[str, Any]:
 
 def stateful_streams() -> Dict[str, Any]:
     return {"dealt": stateful_loader(), **stateful_stream()}
+
+
+def batch_generator() -> Any:
+    """6 batches of 8 ``IndexDataset`` items, which no one can iterate twice."""
+    items = IndexDataset(48)
+    return ((torch.stack([items[i][0] for i in range(b, b + 8)]), torch.arange(b, b + 8)) for b in range(0, 48, 8))
 
 
 def two_loaders() -> Dict[str, Any]:
@@ -308,6 +317,10 @@ if __name__ == "__main__":
         model_class=EstimatesStepsInSetup)
     fit(out, "stateful_estimating_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
         model_class=EstimatesSteps)
+    fit(out, "generator_first", batch_generator, stop_at=2, max_epochs=1)
+    fit(out, "generator_resumed", batch_generator, ckpt_path=checkpoints / "generator_first-step=2.ckpt", max_epochs=1)
+    fit(out, "generator_early_resumed", batch_generator, ckpt_path=checkpoints / "generator_first-step=2.ckpt",
+        max_epochs=1, model_class=EstimatesStepsInSetup)
     for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
         streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
         fit(out, run, loaders, **streams)
