@@ -335,18 +335,20 @@ def reloads_training_loaders(trainer: "pl.Trainer") -> bool:
     return bool(getattr(trainer.fit_loop, "_should_reload_train_dl", False))
 
 
-def restart_training_iterator(trainer: "pl.Trainer") -> bool:
-    """Make the fit loop's training iterator again, as its set-up does: load the restored states of stateful
-    loaders, then iterate. A resumed fit's first epoch runs on the iterator the set-up made; False when this
-    Lightning keeps none where it is looked for (nothing was made again)."""
+def can_restart_training_iterator(trainer: "pl.Trainer") -> bool:
+    """Whether :func:`restart_training_iterator` can run: this Lightning keeps the iterator where it looks."""
     fit_loop = trainer.fit_loop
-    fetcher = getattr(fit_loop, "_data_fetcher", None)
-    load_loader_states = getattr(fit_loop, "_load_combined_loader_states", None)
-    if fetcher is None or load_loader_states is None:
-        return False
-    load_loader_states()
+    return getattr(fit_loop, "_data_fetcher", None) is not None and hasattr(fit_loop, "_load_combined_loader_states")
+
+
+def restart_training_iterator(trainer: "pl.Trainer") -> None:
+    """Make the fit loop's training iterator again, as its set-up does: load the restored states of stateful
+    loaders, then iterate. A resumed fit's first epoch runs on the iterator the set-up made."""
+    fit_loop = trainer.fit_loop
+    fetcher = fit_loop._data_fetcher
+    assert fetcher is not None, "can_restart_training_iterator says when there is one"
+    fit_loop._load_combined_loader_states()
     iter(fetcher)
-    return True
 
 
 def training_loader_mode(trainer: "pl.Trainer") -> Optional[str]:

@@ -278,6 +278,8 @@ class CustomDDP(DDPStrategy):
         #: Whether the checkpoint this fit resumes has restored the loops, and whether a training loader was set up
         #: before that (see `load_optimizer_state_dict`).
         self._restored = self._trained_loader_set_up_before_restore = False
+        #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
+        self._prepared_with: Dict[int, tuple[Optional[int], Optional[tuple[int, int]]]] = {}
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -331,6 +333,7 @@ class CustomDDP(DDPStrategy):
         # Before the LightningModule's `setup` hook, which may set the train loader up already (by reading
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
         self._restored = self._trained_loader_set_up_before_restore = False
+        self._prepared_with = {}
         super().setup_environment()
         trainer = self._attached_trainer
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
@@ -857,8 +860,8 @@ class CustomDDP(DDPStrategy):
             f" would hang or give wrong values. Use fewer ranks, a smaller batch size, or {fix}."
         )
 
-    def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> bool:
-        """Set the epoch now, and the resume position after a mid-epoch checkpoint; whether it set either.
+    def _prepare_first_epoch(self, loader: DataLoader, trainer: Trainer) -> None:
+        """Set the epoch now, and the resume position after a mid-epoch checkpoint.
 
         Lightning creates the training iterator before its loop calls ``set_epoch``: with ``num_workers > 0``
         that iterator draws its first indices at once, so a resumed fit would train its first epoch on the
@@ -869,24 +872,34 @@ class CustomDDP(DDPStrategy):
         the epoch (one of several in a ``CombinedLoader``) that ran out before the checkpoint either starts its
         pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
+        epoch, resume = plan = self._first_epoch_plan(loader, trainer)
+        self._prepared_with[id(loader)] = plan
         wrapper = _wrapper_of(loader)
         sampler = wrapper if wrapper is not None else _index_sampler(loader)
-        epoch = _compat.epoch_for_samplers(trainer)
-        epoch_set = False
-        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and sampler.epoch != epoch:
+        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and epoch is not None and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
-            epoch_set = True
         if wrapper is None:
-            return epoch_set
-        resume = _compat.mid_epoch_resume(trainer)
-        if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
+            return
+        if resume is None:
             _drop_skip(wrapper)  # a loader its user keeps may hold an earlier fit's skip
-            return epoch_set
+            return
         # Decided when the resumed iteration reads its first item: a loader shorter than the epoch ran out before
         # the checkpoint, and what it did then depends on the CombinedLoader's mode, which Lightning knows only
         # once every loader is processed.
         self._arm_skip(trainer, loader, wrapper, *resume)
-        return True
+
+    def _first_epoch_plan(self, loader: DataLoader, trainer: Trainer) -> tuple[Optional[int], Optional[tuple[int, int]]]:
+        """``(epoch to set, (epoch, batches done) to skip)`` for ``loader`` as :meth:`_prepare_first_epoch` sets
+        them; None where it sets nothing (a sampler without our epochs, no skip)."""
+        wrapper = _wrapper_of(loader)
+        sampler = wrapper if wrapper is not None else _index_sampler(loader)
+        epoch = _compat.epoch_for_samplers(trainer) if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) else None
+        if wrapper is None:
+            return epoch, None
+        resume = _compat.mid_epoch_resume(trainer)
+        if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
+            return epoch, None
+        return epoch, resume
 
     def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> None:
         """Make ``wrapper``'s next iteration of ``epoch`` ask :meth:`_resume_skip` what to skip."""
@@ -968,13 +981,11 @@ class CustomDDP(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         # Lightning restores the loops just before the optimizers: the first moment a training loader set up
-        # before that can learn where the checkpoint was written. (A tuner restoring its own checkpoint in a fit
-        # that does not resume has nothing to tell.)
-        trainer = self._attached_trainer
-        if trainer is None or trainer.ckpt_path is None:
-            return
+        # before that can learn where the checkpoint was written. (A tuner restoring its temporary checkpoint
+        # comes here too, and prepares the loaders for the start it restores.)
         self._restored = True
-        if self._trained_loader_set_up_before_restore:
+        trainer = self._attached_trainer
+        if self._trained_loader_set_up_before_restore and trainer is not None:
             self._prepare_training_loaders_again(trainer)
 
     def _prepare_training_loaders_again(self, trainer: Trainer) -> None:
@@ -984,32 +995,53 @@ class CustomDDP(DDPStrategy):
         iterator the resumed epoch runs on, before it restores the checkpoint's loops: in a LightningModule
         ``setup`` or ``configure_model`` hook even before it loads the checkpoint, so that iterator would train the
         batches before a mid-epoch checkpoint again and draw them in epoch 0's order with ``num_workers > 0`` (its
-        workers read the sampler at once); in ``configure_optimizers`` too (the position is then read from the
-        loaded checkpoint), where stateful loaders would be left unrestored. Nothing to do when the fit loop is
-        about to set its loaders up again.
+        workers read the sampler at once); in ``configure_optimizers`` the position is read from the loaded
+        checkpoint, but stateful loaders would be left unrestored. Nothing to do when the fit loop is about to set
+        its loaders up again, or when the iterator made then yields what a new one would.
         """
         if _compat.reloads_training_loaders(trainer):
             return
-        loaders, changed = _compat.current_loaders(trainer, RunningStage.TRAINING), False
-        if self._replace_samplers:
-            for loader in loaders:
-                if isinstance(loader, DataLoader):
-                    changed = self._prepare_first_epoch(loader, trainer) or changed
-        if not (changed or _compat.pending_loader_states(trainer)):
-            return  # the iterator made then yields what a new one would
+        loaders = _compat.current_loaders(trainer, RunningStage.TRAINING)
+        stale = [
+            loader for loader in loaders if isinstance(loader, DataLoader) and self._replace_samplers
+            and self._first_epoch_plan(loader, trainer) != self._prepared_with.get(id(loader))
+        ]
+        if not stale and not _compat.pending_loader_states(trainer):
+            return
+        # The iterator has started: a loader changed under it (a new epoch, a skip) but left to it would be wrong.
         one_shot = [type(loader).__name__ for loader in loaders if isinstance(loader, collections.abc.Iterator)]
-        if one_shot or not _compat.restart_training_iterator(trainer):
+        if one_shot or not _compat.can_restart_training_iterator(trainer):
             why = (
                 f"a training loader is an iterator, which cannot start again ({', '.join(one_shot)})" if one_shot
                 else "this Lightning keeps it where it cannot be made again"
             )
-            rank_zero_warn(
-                f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes"
-                " restored the loops (reading trainer.estimated_stepping_batches in a setup, configure_model or"
-                f" configure_optimizers hook does it), and their iterator is not made again: {why}. They start as"
-                " they were set up then. Read it in configure_optimizers, where samplers of ours still resume at the"
-                " checkpoint's position (a stateful loader's own state is not restored)."
-            )
+            self._warn_training_loaders_not_prepared(why)
+            return
+        for loader in stale:
+            self._prepare_first_epoch(loader, trainer)
+        _compat.restart_training_iterator(trainer)
+
+    def _warn_training_loaders_not_prepared(self, why: str) -> None:
+        rank_zero_warn(
+            f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes restored"
+            " the loops (reading trainer.estimated_stepping_batches in a setup, configure_model or"
+            f" configure_optimizers hook does it), and could not be prepared for it: {why}. They start as they were"
+            " set up then: after a mid-epoch checkpoint, batches trained before it may be trained again, and"
+            " stateful loaders start over. Read it in configure_optimizers, where samplers of ours are set up at the"
+            " checkpoint's position."
+        )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self._attached_trainer
+        # A strategy that restores its optimizers itself (lightning_restore_optimizer False) never calls
+        # load_optimizer_state_dict. A tuner's inner fit, before the restore, does not restart.
+        if (
+            trainer is not None and self._trained_loader_set_up_before_restore and not self._restored
+            and trainer.ckpt_path is not None and trainer.fit_loop.restarting
+        ):
+            self._warn_training_loaders_not_prepared("load_optimizer_state_dict was not called after the restore")
 
     @override
     def on_train_end(self) -> None:

@@ -120,4 +120,4 @@ def test_training_iterator_made_again_as_the_fit_loop_makes_it() -> None:
     assert setup.index("self._load_combined_loader_states()") < setup.index("iter(self._data_fetcher)")
     assert "not self.restarting" in inspect.getsource(_TrainingEpochLoop.on_run_start)
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
-    assert _compat.restart_training_iterator(trainer) is False  # not set up: there is no iterator to make again
+    assert _compat.can_restart_training_iterator(trainer) is False  # not set up: there is no iterator to make again

@@ -280,7 +280,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
             "stateful_early_resumed", "stateful_estimating_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
             "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed",
-            "generator_resumed", "generator_early_resumed")
+            "generator_resumed", "generator_early_resumed", "generator_cycled_resumed", "generator_cycled_estimating_resumed",
+            "generator_cycled_early_resumed", "early_own_optimizers_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -346,6 +347,8 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
+    if run in ("estimating", "early"):  # the iterator is made once after the restore, or not again: one skip
+        assert sum(said in line for line in info) == 1, info
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
@@ -367,6 +370,29 @@ def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resume
     for rank in range(WORLD):
         early, usual = (resume_edge_runs[run][rank]["seen"] for run in ("generator_early_resumed", "generator_resumed"))
         assert early == usual, f"rank {rank}: {early} != {usual}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a_warning_says_so(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Beside a generator, which cannot start again, the training iterator is not made again: loaders set up in
+    configure_optimizers (already at the checkpoint's position) resume as set up, with no skip left over for the
+    dealt loader's next pass; loaders set up in the setup hook cannot be, and a warning says why. So does one for a
+    strategy whose Lightning never calls load_optimizer_state_dict."""
+    for rank in range(WORLD):
+        estimating, usual = (
+            resume_edge_runs[f"generator_cycled_{run}"][rank]["seen"] for run in ("estimating_resumed", "resumed")
+        )
+        assert estimating == usual, f"rank {rank}: {estimating} != {usual}"
+    said = {
+        "generator_cycled_early_resumed": "could not be prepared for it: a training loader is an iterator",
+        "early_own_optimizers_resumed": "could not be prepared for it: load_optimizer_state_dict was not called",
+    }
+    for run, reason in said.items():
+        warned = resume_edge_runs[run][0]["facts"]["warnings"]
+        assert sum(reason in line for line in warned) == 1, warned
+    assert not any("could not be prepared" in line for line in resume_edge_runs["generator_cycled_estimating_resumed"][0]["facts"]["warnings"])
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -88,9 +88,9 @@ def job_env(port: Optional[int] = None, **extra: str) -> Dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- training
-def strategy(start_method: str = "popen", **options: Any) -> CustomDDP:
-    """CustomDDP with a small process-group timeout, so that a fault resolves quickly."""
-    return CustomDDP(start_method=start_method, timeout=timedelta(seconds=PG_TIMEOUT_S), **options)
+def strategy(start_method: str = "popen", strategy_class: Any = CustomDDP, **options: Any) -> CustomDDP:
+    """CustomDDP (or ``strategy_class``) with a small process-group timeout, so that a fault resolves quickly."""
+    return strategy_class(start_method=start_method, timeout=timedelta(seconds=PG_TIMEOUT_S), **options)
 
 
 def pk_loader(size: int = 48, seed: int = 1, num_workers: int = 0) -> DataLoader:

@@ -47,6 +47,10 @@ Usage: python reliability_resume_edges.py OUT_DIR
   ``dealt`` (as in ``stateful``).
 * ``generator``: a generator of batches (one-shot, not dealt), one epoch; ``generator_first`` stops after step 2
   with a checkpoint; ``generator_resumed`` and ``generator_early_resumed`` (the ``setup``-hook model) go on from it.
+  ``generator_cycled_first`` (and its ``_resumed``, ``_estimating_resumed`` and ``_early_resumed``) likewise, with
+  a generator ``g`` of 12 batches beside a dealt loader ``a`` of 6 that restarts once (12 steps).
+* ``early_own_optimizers_resumed``: ``early_resumed`` under a strategy whose Lightning does not call
+  ``load_optimizer_state_dict``.
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
@@ -65,7 +69,7 @@ from reliability_common import (
 from torch.utils.data import BatchSampler, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_ddp_ext import patch_dataloader_to_ddp
+from lightning_ddp_ext import CustomDDP, patch_dataloader_to_ddp
 from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
@@ -77,7 +81,7 @@ STATEFUL_STOP = 2
 
 
 def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1,
-        model_class: Any = WeightRecorder, **options: Any) -> None:
+        model_class: Any = WeightRecorder, strategy_class: Any = CustomDDP, **options: Any) -> None:
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
     callbacks: List[Any] = []
@@ -88,7 +92,7 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
     pl.seed_everything(7)
     model = model_class(str(run_dir))
     trainer = pl.Trainer(
-        strategy=strategy("popen"),
+        strategy=strategy("popen", strategy_class=strategy_class),
         **trainer_kwargs(enable_checkpointing=bool(callbacks), callbacks=callbacks, **options),
     )
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, loaders(), ckpt_path=ckpt_path))
@@ -132,10 +136,23 @@ def stateful_streams() -> Dict[str, Any]:
     return {"dealt": stateful_loader(), **stateful_stream()}
 
 
-def batch_generator() -> Any:
-    """6 batches of 8 ``IndexDataset`` items, which no one can iterate twice."""
-    items = IndexDataset(48)
-    return ((torch.stack([items[i][0] for i in range(b, b + 8)]), torch.arange(b, b + 8)) for b in range(0, 48, 8))
+def batch_generator(size: int = 48) -> Any:
+    """Batches of 8 ``IndexDataset`` items, which no one can iterate twice."""
+    items = IndexDataset(size)
+    return ((torch.stack([items[i][0] for i in range(b, b + 8)]), torch.arange(b, b + 8)) for b in range(0, size, 8))
+
+
+def cycled_with_a_generator() -> CombinedLoader:
+    """``a`` (6 batches per rank) restarts while the generator ``g`` (6 of its 12 batches per epoch) goes on."""
+    return CombinedLoader({"a": pk_loader(size=96), "g": batch_generator(96)}, mode="max_size_cycle")
+
+
+class RestoresItsOwnOptimizers(CustomDDP):
+    """A strategy that restores optimizer states itself, so Lightning does not call its load_optimizer_state_dict."""
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
 
 
 def two_loaders() -> Dict[str, Any]:
@@ -321,6 +338,15 @@ if __name__ == "__main__":
     fit(out, "generator_resumed", batch_generator, ckpt_path=checkpoints / "generator_first-step=2.ckpt", max_epochs=1)
     fit(out, "generator_early_resumed", batch_generator, ckpt_path=checkpoints / "generator_first-step=2.ckpt",
         max_epochs=1, model_class=EstimatesStepsInSetup)
+    generator_checkpoint = checkpoints / "generator_cycled_first-step=2.ckpt"
+    fit(out, "generator_cycled_first", cycled_with_a_generator, stop_at=2, max_epochs=1, limit_train_batches=12)
+    for run, model_class in (("resumed", WeightRecorder), ("estimating_resumed", EstimatesSteps),
+                             ("early_resumed", EstimatesStepsInSetup)):
+        fit(out, f"generator_cycled_{run}", cycled_with_a_generator, ckpt_path=generator_checkpoint, max_epochs=1,
+            limit_train_batches=12, model_class=model_class)
+    fit(out, "early_own_optimizers_resumed", loader_with_workers,
+        ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt", strategy_class=RestoresItsOwnOptimizers,
+        **early)
     for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
         streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
         fit(out, run, loaders, **streams)
