@@ -134,6 +134,11 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
     return reduce_op is not None and reduce_op == dist.ReduceOp.AVG
 
 
+#: What `CustomDDP._prepare_first_epoch` sets for a training loader: the epoch of its sampler, and the
+#: ``(epoch, batches done)`` its wrapper skips; None for what it leaves alone.
+_Plan = tuple[Optional[int], Optional[tuple[int, int]]]
+_NOTHING_PLANNED: _Plan = (None, None)
+
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
 _TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
@@ -161,6 +166,13 @@ def _wrapper_of(loader: object) -> Optional[_Wrapper]:
         if isinstance(candidate, _WRAPPER_TYPES):
             return candidate
     return None
+
+
+def _epoch_sampler(loader: DataLoader) -> Optional[Union[_Wrapper, DistributedSampler]]:
+    """The sampler of ``loader`` that takes the epoch from ``CustomDDP`` (ours, or torch's DistributedSampler)."""
+    wrapper = _wrapper_of(loader)
+    sampler = wrapper if wrapper is not None else _index_sampler(loader)
+    return sampler if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) else None
 
 
 def _items_per_batch(loader: DataLoader, sampler: object) -> int:
@@ -275,11 +287,14 @@ class CustomDDP(DDPStrategy):
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
-        #: Whether the checkpoint this fit resumes has restored the loops, and whether a training loader was set up
-        #: before that (see `load_optimizer_state_dict`).
+        #: Between setup_environment and the end of setup: the LightningModule's setup, configure_model and
+        #: configure_optimizers hooks, which run before Lightning restores a resumed checkpoint's loops.
+        self._setting_up = False
+        #: Whether a training loader was set up then, and whether the checkpoint has restored the loops since
+        #: (see `load_optimizer_state_dict`).
         self._restored = self._trained_loader_set_up_before_restore = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
-        self._prepared_with: Dict[int, tuple[Optional[int], Optional[tuple[int, int]]]] = {}
+        self._prepared_with: Dict[int, _Plan] = {}
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -334,6 +349,7 @@ class CustomDDP(DDPStrategy):
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
         self._restored = self._trained_loader_set_up_before_restore = False
         self._prepared_with = {}
+        self._setting_up = True
         super().setup_environment()
         trainer = self._attached_trainer
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
@@ -355,8 +371,11 @@ class CustomDDP(DDPStrategy):
         self._watched = {}
         self._verified_train_epoch = None
         self._broadcast_loader_seed()
-        with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
-            super().setup(trainer)
+        try:
+            with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
+                super().setup(trainer)
+        finally:
+            self._setting_up = False
 
     def _take_over_sampler_replacement(self, trainer: Trainer) -> None:
         """Turn Lightning's sampler replacement off for this run (``process_dataloader`` deals instead), unless
@@ -773,7 +792,7 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._restored:
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and self._setting_up:
             self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:
             return dataloader
@@ -805,10 +824,10 @@ class CustomDDP(DDPStrategy):
             if training:  # a loader its user dealt may serve both: training wins, whichever was set up first
                 _TRAINING_WRAPPERS.add(wrapper)
             wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
-        if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split: nothing was dealt
+        if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split, or not a DataLoader
             return loader
         if wrapper is not None and not training and not wrapper.even_shares:
-            self._refuse_rank_without_batches(loader, wrapper, stage, users=patched is None)
+            self._refuse_rank_without_batches(loader, wrapper, stage, user_dealt=patched is None)
         if training:
             self._prepare_first_epoch(loader, trainer)
         return loader
@@ -837,10 +856,10 @@ class CustomDDP(DDPStrategy):
         return patched
 
     def _refuse_rank_without_batches(
-        self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage], users: bool = False
+        self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage], user_dealt: bool = False
     ) -> None:
-        """Raise, on every rank alike, when an exact deal (ours, or a ``users`` wrapper with ``even_shares=False``)
-        leaves some rank with no evaluation batch.
+        """Raise, on every rank alike, when an exact deal (ours, or a ``user_dealt`` wrapper with
+        ``even_shares=False``) leaves some rank with no evaluation batch.
 
         Lightning skips the whole evaluation on such a rank, epoch-end hooks included, so the other ranks'
         epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``, the consistency check) would
@@ -850,7 +869,7 @@ class CustomDDP(DDPStrategy):
             return
         world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
         items = "batches" if isinstance(wrapper, DistributedBatchSamplerWrapper) else "samples"
-        who, fix = (f"{type(wrapper).__name__}(even_shares=False)", "even_shares=True") if users else (
+        who, fix = (f"{type(wrapper).__name__}(even_shares=False)", "even_shares=True") if user_dealt else (
             f"{type(self).__name__}(eval_mode='exact')", "eval_mode='pad'"
         )
         raise RuntimeError(
@@ -872,11 +891,10 @@ class CustomDDP(DDPStrategy):
         the epoch (one of several in a ``CombinedLoader``) that ran out before the checkpoint either starts its
         pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
+        sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
         epoch, resume = plan = self._first_epoch_plan(loader, trainer)
         self._prepared_with[id(loader)] = plan
-        wrapper = _wrapper_of(loader)
-        sampler = wrapper if wrapper is not None else _index_sampler(loader)
-        if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) and epoch is not None and sampler.epoch != epoch:
+        if sampler is not None and epoch is not None and sampler.epoch != epoch:
             sampler.set_epoch(epoch)
         if wrapper is None:
             return
@@ -888,12 +906,10 @@ class CustomDDP(DDPStrategy):
         # once every loader is processed.
         self._arm_skip(trainer, loader, wrapper, *resume)
 
-    def _first_epoch_plan(self, loader: DataLoader, trainer: Trainer) -> tuple[Optional[int], Optional[tuple[int, int]]]:
-        """``(epoch to set, (epoch, batches done) to skip)`` for ``loader`` as :meth:`_prepare_first_epoch` sets
-        them; None where it sets nothing (a sampler without our epochs, no skip)."""
+    def _first_epoch_plan(self, loader: DataLoader, trainer: Trainer) -> _Plan:
+        """What :meth:`_prepare_first_epoch` sets for ``loader`` now (see ``_Plan``)."""
+        epoch = _compat.epoch_for_samplers(trainer) if _epoch_sampler(loader) is not None else None
         wrapper = _wrapper_of(loader)
-        sampler = wrapper if wrapper is not None else _index_sampler(loader)
-        epoch = _compat.epoch_for_samplers(trainer) if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) else None
         if wrapper is None:
             return epoch, None
         resume = _compat.mid_epoch_resume(trainer)
@@ -1002,10 +1018,11 @@ class CustomDDP(DDPStrategy):
         if _compat.reloads_training_loaders(trainer):
             return
         loaders = _compat.current_loaders(trainer, RunningStage.TRAINING)
-        stale = [
-            loader for loader in loaders if isinstance(loader, DataLoader) and self._replace_samplers
-            and self._first_epoch_plan(loader, trainer) != self._prepared_with.get(id(loader))
-        ]
+        prepared = [loader for loader in loaders if isinstance(loader, DataLoader)] if self._replace_samplers else []
+        stale = any(
+            self._first_epoch_plan(loader, trainer) != self._prepared_with.get(id(loader), _NOTHING_PLANNED)
+            for loader in prepared
+        )
         if not stale and not _compat.pending_loader_states(trainer):
             return
         # The iterator has started: a loader changed under it (a new epoch, a skip) but left to it would be wrong.
@@ -1017,7 +1034,7 @@ class CustomDDP(DDPStrategy):
             )
             self._warn_training_loaders_not_prepared(why)
             return
-        for loader in stale:
+        for loader in prepared:  # every one: the new iterator reads them all from their start again
             self._prepare_first_epoch(loader, trainer)
         _compat.restart_training_iterator(trainer)
 
@@ -1160,9 +1177,10 @@ class CustomDDP(DDPStrategy):
         wrapper = _wrapper_of(loader)
         if isinstance(wrapper, DistributedBatchSamplerWrapper):
             return sum(map(len, wrapper.yielded[:batches]))
-        sampler = wrapper if wrapper is not None else _index_sampler(loader)
-        dealt = len(wrapper.yielded) if wrapper is not None else len(sampler)  # type: ignore[arg-type]
-        return min(batches * _items_per_batch(loader, sampler), dealt)
+        if wrapper is not None:
+            return min(batches * _items_per_batch(loader, wrapper), len(wrapper.yielded))
+        sampler = _index_sampler(loader)
+        return min(batches * _items_per_batch(loader, sampler), len(sampler))  # type: ignore[arg-type]
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
         trainer = self._attached_trainer

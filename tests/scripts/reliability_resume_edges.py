@@ -50,7 +50,10 @@ Usage: python reliability_resume_edges.py OUT_DIR
   ``generator_cycled_first`` (and its ``_resumed``, ``_estimating_resumed`` and ``_early_resumed``) likewise, with
   a generator ``g`` of 12 batches beside a dealt loader ``a`` of 6 that restarts once (12 steps).
 * ``early_own_optimizers_resumed``: ``early_resumed`` under a strategy whose Lightning does not call
-  ``load_optimizer_state_dict``.
+  ``load_optimizer_state_dict``; ``own_optimizers_resumed`` likewise with a model that reads nothing early.
+* ``stateful_mixed``: a model reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, a
+  stateful loader ``s`` beside a plain one with a worker, ``plain``, one epoch; ``stateful_mixed_first`` stops
+  after step 2 with a checkpoint; ``stateful_mixed_resumed`` finishes from it.
 
 Each rank writes ``OUT_DIR/<run>/rank<R>.json`` (batches per epoch and loader).
 """
@@ -140,6 +143,11 @@ def batch_generator(size: int = 48) -> Any:
     """Batches of 8 ``IndexDataset`` items, which no one can iterate twice."""
     items = IndexDataset(size)
     return ((torch.stack([items[i][0] for i in range(b, b + 8)]), torch.arange(b, b + 8)) for b in range(0, size, 8))
+
+
+def stateful_and_plain() -> Dict[str, Any]:
+    """A stateful loader ``s`` beside a plain one with a worker, ``plain``: 6 batches per rank each."""
+    return {"s": stateful_loader(), "plain": loader_with_workers()}
 
 
 def cycled_with_a_generator() -> CombinedLoader:
@@ -344,9 +352,15 @@ if __name__ == "__main__":
                              ("early_resumed", EstimatesStepsInSetup)):
         fit(out, f"generator_cycled_{run}", cycled_with_a_generator, ckpt_path=generator_checkpoint, max_epochs=1,
             limit_train_batches=12, model_class=model_class)
-    fit(out, "early_own_optimizers_resumed", loader_with_workers,
-        ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt", strategy_class=RestoresItsOwnOptimizers,
-        **early)
+    for run, model_class in (("early_own_optimizers_resumed", EstimatesStepsInSetup),
+                             ("own_optimizers_resumed", WeightRecorder)):
+        fit(out, run, loader_with_workers, ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt",
+            strategy_class=RestoresItsOwnOptimizers, max_epochs=2, model_class=model_class)
+    mixed = dict(max_epochs=1, model_class=EstimatesSteps)
+    fit(out, "stateful_mixed", stateful_and_plain, **mixed)
+    fit(out, "stateful_mixed_first", stateful_and_plain, stop_at=STATEFUL_STOP, **mixed)
+    fit(out, "stateful_mixed_resumed", stateful_and_plain,
+        ckpt_path=checkpoints / f"stateful_mixed_first-step={STATEFUL_STOP}.ckpt", **mixed)
     for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
         streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
         fit(out, run, loaders, **streams)
