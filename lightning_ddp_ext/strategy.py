@@ -287,11 +287,8 @@ class CustomDDP(DDPStrategy):
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
-        #: Between setup_environment and the end of setup: the LightningModule's setup, configure_model and
-        #: configure_optimizers hooks, which run before Lightning restores a resumed checkpoint's loops.
-        self._setting_up = False
-        #: Whether a training loader was set up then, and whether the checkpoint has restored the loops since
-        #: (see `load_optimizer_state_dict`).
+        #: Whether the checkpoint a fit resumes has restored the loops, and whether a training loader was set up
+        #: before that (see `load_optimizer_state_dict`).
         self._restored = self._trained_loader_set_up_before_restore = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
         self._prepared_with: Dict[int, _Plan] = {}
@@ -349,7 +346,6 @@ class CustomDDP(DDPStrategy):
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
         self._restored = self._trained_loader_set_up_before_restore = False
         self._prepared_with = {}
-        self._setting_up = True
         super().setup_environment()
         trainer = self._attached_trainer
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
@@ -371,11 +367,8 @@ class CustomDDP(DDPStrategy):
         self._watched = {}
         self._verified_train_epoch = None
         self._broadcast_loader_seed()
-        try:
-            with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
-                super().setup(trainer)
-        finally:
-            self._setting_up = False
+        with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
+            super().setup(trainer)
 
     def _take_over_sampler_replacement(self, trainer: Trainer) -> None:
         """Turn Lightning's sampler replacement off for this run (``process_dataloader`` deals instead), unless
@@ -792,7 +785,9 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and self._setting_up:
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not (
+            self._restored or trainer.fit_loop.restarting  # a fit that resumes has restored its loops by now
+        ):
             self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:
             return dataloader
@@ -1011,8 +1006,8 @@ class CustomDDP(DDPStrategy):
         iterator the resumed epoch runs on, before it restores the checkpoint's loops: in a LightningModule
         ``setup`` or ``configure_model`` hook even before it loads the checkpoint, so that iterator would train the
         batches before a mid-epoch checkpoint again and draw them in epoch 0's order with ``num_workers > 0`` (its
-        workers read the sampler at once); in ``configure_optimizers`` the position is read from the loaded
-        checkpoint, but stateful loaders would be left unrestored. Nothing to do when the fit loop is about to set
+        workers read the sampler at once); in ``configure_optimizers`` or an ``on_fit_start`` hook the position is
+        read from the loaded checkpoint, but stateful loaders would be left unrestored. Nothing to do when the fit loop is about to set
         its loaders up again, or when the iterator made then yields what a new one would.
         """
         if _compat.reloads_training_loaders(trainer):
@@ -1041,8 +1036,8 @@ class CustomDDP(DDPStrategy):
     def _warn_training_loaders_not_prepared(self, why: str) -> None:
         rank_zero_warn(
             f"{type(self).__name__}: the training loaders were set up before the checkpoint this fit resumes restored"
-            " the loops (reading trainer.estimated_stepping_batches in a setup, configure_model or"
-            f" configure_optimizers hook does it), and could not be prepared for it: {why}. They start as they were"
+            " the loops (reading trainer.estimated_stepping_batches in a setup, configure_model, configure_optimizers"
+            f" or on_fit_start hook does it), and could not be prepared for it: {why}. They start as they were"
             " set up then: after a mid-epoch checkpoint, batches trained before it may be trained again, and"
             " stateful loaders start over. Read it in configure_optimizers, where samplers of ours are set up at the"
             " checkpoint's position."

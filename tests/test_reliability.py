@@ -282,7 +282,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed",
             "generator_resumed", "generator_early_resumed", "generator_cycled_resumed", "generator_cycled_estimating_resumed",
             "generator_cycled_early_resumed", "early_own_optimizers_resumed", "own_optimizers_resumed", "stateful_mixed",
-            "stateful_mixed_first", "stateful_mixed_resumed")
+            "stateful_mixed_first", "stateful_mixed_resumed", "stateful_streams_on_fit_start_resumed")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -306,6 +306,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("stateful_streams_reloaded", "resumed", ["dealt", "stream"]),
         ("stateful", "estimating_resumed", ["only"]),
         ("stateful_mixed", "resumed", ["s", "plain"]),
+        ("stateful_streams", "on_fit_start_resumed", ["stream"]),
     ],
 )
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(

@@ -44,7 +44,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   wrapper of ours is there to prepare), 2 epochs; ``stateful_streams_first`` stops 2 steps into epoch 1 with a
   checkpoint; ``stateful_streams_resumed`` finishes from it. ``stateful_streams_reloaded`` (and its ``_first``
   and ``_resumed``) likewise, with ``reload_dataloaders_every_n_epochs=1`` and a second stateful loader,
-  ``dealt`` (as in ``stateful``).
+  ``dealt`` (as in ``stateful``). ``stateful_streams_on_fit_start_resumed`` resumes ``stateful_streams_first`` with
+  a model that reads ``trainer.estimated_stepping_batches`` in ``on_fit_start``.
 * ``generator``: a generator of batches (one-shot, not dealt), one epoch; ``generator_first`` stops after step 2
   with a checkpoint; ``generator_resumed`` and ``generator_early_resumed`` (the ``setup``-hook model) go on from it.
   ``generator_cycled_first`` (and its ``_resumed``, ``_estimating_resumed`` and ``_early_resumed``) likewise, with
@@ -188,6 +189,14 @@ class EstimatesStepsInSetup(WeightRecorder):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        self.facts["estimated_steps"] = self.trainer.estimated_stepping_batches
+
+
+class EstimatesStepsOnFitStart(WeightRecorder):
+    """Reads ``trainer.estimated_stepping_batches`` in ``on_fit_start``: after the strategy's setup, still before
+    Lightning restores the loops of the checkpoint it resumes."""
+
+    def on_fit_start(self) -> None:
         self.facts["estimated_steps"] = self.trainer.estimated_stepping_batches
 
 
@@ -366,3 +375,5 @@ if __name__ == "__main__":
         fit(out, run, loaders, **streams)
         fit(out, f"{run}_first", loaders, stop_at=USER_DEALT_STOP, **streams)
         fit(out, f"{run}_resumed", loaders, ckpt_path=checkpoints / f"{run}_first-step={USER_DEALT_STOP}.ckpt", **streams)
+    fit(out, "stateful_streams_on_fit_start_resumed", stateful_stream, max_epochs=2,
+        ckpt_path=checkpoints / f"stateful_streams_first-step={USER_DEALT_STOP}.ckpt", model_class=EstimatesStepsOnFitStart)
