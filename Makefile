@@ -39,6 +39,7 @@ RESUME_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch
 	test_a_loader_serving_training_and_validation_is_not_left_with_a_resume_skip \
 	test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resumes_without_a_warning \
 	test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a_warning_says_so \
+	test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_fit \
 	test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes)
 # Lightning 2.2 makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
 # and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.

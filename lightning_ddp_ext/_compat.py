@@ -325,8 +325,10 @@ def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
 
 
 def pending_loader_states(trainer: "pl.Trainer") -> bool:
-    """Whether the fit loop holds loader states from the checkpoint it resumes that no set-up has loaded yet."""
-    return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
+    """Whether the fit loop holds loader states from the checkpoint it resumes that no set-up has loaded yet, and
+    will load them (it does while it restarts: not after a checkpoint written once its epoch was complete)."""
+    fit_loop = trainer.fit_loop
+    return fit_loop.restarting and bool(getattr(fit_loop, "_combined_loader_states_to_load", None))
 
 
 def reloads_training_loaders(trainer: "pl.Trainer") -> bool:

@@ -288,8 +288,9 @@ class CustomDDP(DDPStrategy):
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
         #: Whether the checkpoint a fit resumes has restored the loops, and whether a training loader was set up
-        #: before that (see `load_optimizer_state_dict`).
-        self._restored = self._trained_loader_set_up_before_restore = False
+        #: before that (see `load_optimizer_state_dict`); whether the fit loop said it restarts when the run began
+        #: (a leftover of an earlier fit on the same Trainer: loops are restored later).
+        self._restored = self._trained_loader_set_up_before_restore = self._restarting_left_over = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
         self._prepared_with: Dict[int, _Plan] = {}
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
@@ -348,6 +349,7 @@ class CustomDDP(DDPStrategy):
         self._prepared_with = {}
         super().setup_environment()
         trainer = self._attached_trainer
+        self._restarting_left_over = trainer is not None and trainer.fit_loop.restarting
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
             self._take_over_sampler_replacement(trainer)
         self._broadcast_loader_seed()
@@ -786,7 +788,7 @@ class CustomDDP(DDPStrategy):
         """
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not (
-            self._restored or trainer.fit_loop.restarting  # a fit that resumes has restored its loops by now
+            self._restored or trainer.fit_loop.restarting and not self._restarting_left_over  # loops restored by now
         ):
             self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:

@@ -97,9 +97,14 @@ def test_loader_states_restored_by_the_fit_loop() -> None:
         def load_state_dict(self, state: dict) -> None:
             pass
 
+    assert "if not self.restarting or not self._combined_loader_states_to_load" in inspect.getsource(
+        _FitLoop._load_combined_loader_states
+    )
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
     assert not _compat.restores_loader_position(trainer, Stateful(range(4)))  # nothing to load
     trainer.fit_loop._combined_loader_states_to_load = [{}]
+    assert not _compat.restores_loader_position(trainer, Stateful(range(4)))  # not restarting: not loaded
+    trainer.fit_loop._restarting = True  # as restoring a checkpoint written inside an epoch leaves it
     assert _compat.restores_loader_position(trainer, Stateful(range(4)))
     assert not _compat.restores_loader_position(trainer, DataLoader(range(4)))
 

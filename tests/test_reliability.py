@@ -282,7 +282,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed",
             "generator_resumed", "generator_early_resumed", "generator_cycled_resumed", "generator_cycled_estimating_resumed",
             "generator_cycled_early_resumed", "early_own_optimizers_resumed", "own_optimizers_resumed", "stateful_mixed",
-            "stateful_mixed_first", "stateful_mixed_resumed", "stateful_streams_on_fit_start_resumed")
+            "stateful_mixed_first", "stateful_mixed_resumed", "stateful_streams_on_fit_start_resumed",
+            "stateful_used_trainer")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
@@ -399,6 +400,17 @@ def test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a
         assert sum(reason in line for line in warned) == 1, warned
     for run in ("generator_cycled_estimating_resumed", "own_optimizers_resumed"):  # nothing to prepare again
         assert not any("could not be prepared" in line for line in resume_edge_runs[run][0]["facts"]["warnings"])
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_fit(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Lightning leaves the fit loop restarting after a resumed fit with no step left; a later fit on the same
+    Trainer, resumed at step 2, still prepares the loaders its configure_optimizers sets up before the restore."""
+    for rank in range(WORLD):
+        whole, used = (resume_edge_runs[run][rank]["seen"]["train/only"] for run in ("stateful", "stateful_used_trainer"))
+        assert used == whole[2:4], f"rank {rank}: {used} != {whole[2:4]}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

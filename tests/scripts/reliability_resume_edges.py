@@ -52,6 +52,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   a generator ``g`` of 12 batches beside a dealt loader ``a`` of 6 that restarts once (12 steps).
 * ``early_own_optimizers_resumed``: ``early_resumed`` under a strategy whose Lightning does not call
   ``load_optimizer_state_dict``; ``own_optimizers_resumed`` likewise with a model that reads nothing early.
+* ``stateful_used_trainer``: see :func:`resume_on_a_used_trainer` (``stateful_first4`` stops after step 4
+  with a checkpoint).
 * ``stateful_mixed``: a model reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, a
   stateful loader ``s`` beside a plain one with a worker, ``plain``, one epoch; ``stateful_mixed_first`` stops
   after step 2 with a checkpoint; ``stateful_mixed_resumed`` finishes from it.
@@ -273,6 +275,19 @@ class CheckpointsInValidation(WeightRecorder):
         super().validation_step(batch, batch_idx)
 
 
+def resume_on_a_used_trainer(out_dir: Path, run: str) -> None:
+    """Resume ``stateful_first4`` (step 4) with ``max_steps=4``: no step left, and Lightning leaves its fit loop
+    restarting; then, on the same Trainer, resume ``stateful_first`` (step 2), whose loaders ``configure_optimizers``
+    sets up before the loops are restored: they must be prepared for it (steps 3 and 4 of ``stateful``)."""
+    run_dir = out_dir / run
+    run_dir.mkdir(exist_ok=True)
+    model, checkpoints = EstimatesSteps(str(run_dir)), out_dir / "checkpoints"
+    trainer = pl.Trainer(strategy=strategy("popen"), **trainer_kwargs(max_steps=4, max_epochs=1))
+    for checkpoint in ("stateful_first4-step=4.ckpt", f"stateful_first-step={STATEFUL_STOP}.ckpt"):
+        run_guarded(str(run_dir), lambda: trainer.global_rank,
+                    lambda: trainer.fit(model, stateful_loader(), ckpt_path=checkpoints / checkpoint))
+
+
 def fit_validating(out_dir: Path, run: str, ckpt_path: Optional[Path] = None) -> None:
     """The shared loader, validated every 2 training batches; the first run writes the mid-validation checkpoint."""
     run_dir = out_dir / run
@@ -365,6 +380,8 @@ if __name__ == "__main__":
                              ("own_optimizers_resumed", WeightRecorder)):
         fit(out, run, loader_with_workers, ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt",
             strategy_class=RestoresItsOwnOptimizers, max_epochs=2, model_class=model_class)
+    fit(out, "stateful_first4", stateful_loader, stop_at=4, max_epochs=1)
+    resume_on_a_used_trainer(out, "stateful_used_trainer")
     mixed = dict(max_epochs=1, model_class=EstimatesSteps)
     fit(out, "stateful_mixed", stateful_and_plain, **mixed)
     fit(out, "stateful_mixed_first", stateful_and_plain, stop_at=STATEFUL_STOP, **mixed)
