@@ -787,9 +787,7 @@ class CustomDDP(DDPStrategy):
         ``loader.batch_sampler.sampler``, so epochs come from Lightning's loop, resumes included.
         """
         trainer = self._attached_trainer
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not (
-            self._restored or trainer.fit_loop.restarting and not self._restarting_left_over  # loops restored by now
-        ):
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._loops_restored(trainer):
             self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
         if trainer is None or not self._replace_samplers:
             return dataloader
@@ -989,6 +987,12 @@ class CustomDDP(DDPStrategy):
             self._verified_train_epoch = trainer.current_epoch
             self._verify(RunningStage.TRAINING)
         return super().training_step(*args, **kwargs)
+
+    def _loops_restored(self, trainer: Trainer) -> bool:
+        """Whether a checkpoint has restored the fit loop in this run: :meth:`load_optimizer_state_dict` ran, or
+        the loop restarts (also under a strategy that restores its own optimizers), not as a leftover of an
+        earlier fit on the same Trainer."""
+        return self._restored or (trainer.fit_loop.restarting and not self._restarting_left_over)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
