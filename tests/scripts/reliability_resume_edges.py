@@ -104,6 +104,16 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, loaders(), ckpt_path=ckpt_path))
 
 
+def fit_interrupted(out_dir: Path, run: str, loaders: Any, stop_at: int, **options: Any) -> Path:
+    """``run`` uninterrupted, ``<run>_first`` stopping after step ``stop_at`` with a checkpoint, and
+    ``<run>_resumed`` from it; the checkpoint, for other resumes."""
+    fit(out_dir, run, loaders, **options)
+    fit(out_dir, f"{run}_first", loaders, stop_at=stop_at, **options)
+    checkpoint = out_dir / "checkpoints" / f"{run}_first-step={stop_at}.ckpt"
+    fit(out_dir, f"{run}_resumed", loaders, ckpt_path=checkpoint, **options)
+    return checkpoint
+
+
 def limited_loader() -> Any:
     return pk_loader(size=96)  # 12 batches: 6 per rank, of which the limit trains 4
 
@@ -316,52 +326,22 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     checkpoints = out / "checkpoints"
     limited = dict(max_epochs=3, limit_train_batches=LIMIT)
-    fit(out, "limited", limited_loader, **limited)
-    fit(out, "limited_first", limited_loader, stop_at=LIMITED_STOP, **limited)
-    limited_checkpoint = checkpoints / f"limited_first-step={LIMITED_STOP}.ckpt"
-    fit(out, "limited_resumed", limited_loader, ckpt_path=limited_checkpoint, **limited)
+    limited_checkpoint = fit_interrupted(out, "limited", limited_loader, LIMITED_STOP, **limited)
     fit(out, "limited_resumed_with_workers", limited_loader_with_workers, ckpt_path=limited_checkpoint, **limited)
-    fit(out, "cycled", two_loaders, max_epochs=1)
-    fit(out, "cycled_first", two_loaders, stop_at=CYCLED_STOP, max_epochs=1)
-    fit(out, "cycled_resumed", two_loaders, ckpt_path=checkpoints / f"cycled_first-step={CYCLED_STOP}.ckpt", max_epochs=1)
-    fit(out, "sized", two_loaders_max_size, max_epochs=1)
-    fit(out, "sized_first", two_loaders_max_size, stop_at=CYCLED_STOP, max_epochs=1)
-    fit(out, "sized_resumed", two_loaders_max_size, ckpt_path=checkpoints / f"sized_first-step={CYCLED_STOP}.ckpt",
-        max_epochs=1)
-    fit(out, "user_dealt", UserDealt, max_epochs=2)
-    fit(out, "user_dealt_first", UserDealt, stop_at=USER_DEALT_STOP, max_epochs=2)
-    fit(out, "user_dealt_resumed", UserDealt, ckpt_path=checkpoints / f"user_dealt_first-step={USER_DEALT_STOP}.ckpt",
-        max_epochs=2)
-    fit(out, "user_batched", UserBatched, max_epochs=2)
-    fit(out, "user_batched_first", UserBatched, stop_at=USER_DEALT_STOP, max_epochs=2)
-    fit(out, "user_batched_resumed", UserBatched,
-        ckpt_path=checkpoints / f"user_batched_first-step={USER_DEALT_STOP}.ckpt", max_epochs=2)
-    estimating = dict(max_epochs=2, model_class=EstimatesSteps)
-    fit(out, "estimating", loader_with_workers, **estimating)
-    fit(out, "estimating_first", loader_with_workers, stop_at=USER_DEALT_STOP, **estimating)
-    fit(out, "estimating_resumed", loader_with_workers,
-        ckpt_path=checkpoints / f"estimating_first-step={USER_DEALT_STOP}.ckpt", **estimating)
-    early = dict(max_epochs=2, model_class=EstimatesStepsInSetup)
-    fit(out, "early", loader_with_workers, **early)
-    fit(out, "early_first", loader_with_workers, stop_at=USER_DEALT_STOP, **early)
-    fit(out, "early_resumed", loader_with_workers,
-        ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt", **early)
-    fit(out, "user_sharded", UserSharded, max_epochs=2)
-    fit(out, "user_sharded_first", UserSharded, stop_at=USER_SHARDED_STOP, max_epochs=2)
-    fit(out, "user_sharded_resumed", UserSharded,
-        ckpt_path=checkpoints / f"user_sharded_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
-    fit(out, "user_sharded_batched", user_sharded_batched, max_epochs=2)
-    fit(out, "user_sharded_batched_first", user_sharded_batched, stop_at=USER_SHARDED_STOP, max_epochs=2)
-    fit(out, "user_sharded_batched_resumed", user_sharded_batched,
-        ckpt_path=checkpoints / f"user_sharded_batched_first-step={USER_SHARDED_STOP}.ckpt", max_epochs=2)
+    fit_interrupted(out, "cycled", two_loaders, CYCLED_STOP, max_epochs=1)
+    fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
+    fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
+    fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
+    fit_interrupted(out, "estimating", loader_with_workers, USER_DEALT_STOP, max_epochs=2, model_class=EstimatesSteps)
+    early_checkpoint = fit_interrupted(out, "early", loader_with_workers, USER_DEALT_STOP, max_epochs=2,
+                                       model_class=EstimatesStepsInSetup)
+    fit_interrupted(out, "user_sharded", UserSharded, USER_SHARDED_STOP, max_epochs=2)
+    fit_interrupted(out, "user_sharded_batched", user_sharded_batched, USER_SHARDED_STOP, max_epochs=2)
     fit(out, "shared_first", SharedLoader, stop_at=SHARED_STOP, max_epochs=1)
     resume_then_reuse(out, "shared_resumed", checkpoints / f"shared_first-step={SHARED_STOP}.ckpt")
     fit_validating(out, "validating")
     fit_validating(out, "validating_resumed", checkpoints / "validating.ckpt")
-    fit(out, "stateful", stateful_loader, max_epochs=1)
-    fit(out, "stateful_first", stateful_loader, stop_at=STATEFUL_STOP, max_epochs=1)
-    stateful_checkpoint = checkpoints / f"stateful_first-step={STATEFUL_STOP}.ckpt"
-    fit(out, "stateful_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1)
+    stateful_checkpoint = fit_interrupted(out, "stateful", stateful_loader, STATEFUL_STOP, max_epochs=1)
     fit(out, "stateful_early_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
         model_class=EstimatesStepsInSetup)
     fit(out, "stateful_estimating_resumed", stateful_loader, ckpt_path=stateful_checkpoint, max_epochs=1,
@@ -378,19 +358,14 @@ if __name__ == "__main__":
             limit_train_batches=12, model_class=model_class)
     for run, model_class in (("early_own_optimizers_resumed", EstimatesStepsInSetup),
                              ("own_optimizers_resumed", WeightRecorder)):
-        fit(out, run, loader_with_workers, ckpt_path=checkpoints / f"early_first-step={USER_DEALT_STOP}.ckpt",
-            strategy_class=RestoresItsOwnOptimizers, max_epochs=2, model_class=model_class)
+        fit(out, run, loader_with_workers, ckpt_path=early_checkpoint, strategy_class=RestoresItsOwnOptimizers,
+            max_epochs=2, model_class=model_class)
     fit(out, "stateful_first4", stateful_loader, stop_at=4, max_epochs=1)
     resume_on_a_used_trainer(out, "stateful_used_trainer")
-    mixed = dict(max_epochs=1, model_class=EstimatesSteps)
-    fit(out, "stateful_mixed", stateful_and_plain, **mixed)
-    fit(out, "stateful_mixed_first", stateful_and_plain, stop_at=STATEFUL_STOP, **mixed)
-    fit(out, "stateful_mixed_resumed", stateful_and_plain,
-        ckpt_path=checkpoints / f"stateful_mixed_first-step={STATEFUL_STOP}.ckpt", **mixed)
-    for run, loaders, reload in (("stateful_streams", stateful_stream, 0), ("stateful_streams_reloaded", stateful_streams, 1)):
-        streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup, reload_dataloaders_every_n_epochs=reload)
-        fit(out, run, loaders, **streams)
-        fit(out, f"{run}_first", loaders, stop_at=USER_DEALT_STOP, **streams)
-        fit(out, f"{run}_resumed", loaders, ckpt_path=checkpoints / f"{run}_first-step={USER_DEALT_STOP}.ckpt", **streams)
-    fit(out, "stateful_streams_on_fit_start_resumed", stateful_stream, max_epochs=2,
-        ckpt_path=checkpoints / f"stateful_streams_first-step={USER_DEALT_STOP}.ckpt", model_class=EstimatesStepsOnFitStart)
+    fit_interrupted(out, "stateful_mixed", stateful_and_plain, STATEFUL_STOP, max_epochs=1, model_class=EstimatesSteps)
+    streams = dict(max_epochs=2, model_class=EstimatesStepsInSetup)
+    streams_checkpoint = fit_interrupted(out, "stateful_streams", stateful_stream, USER_DEALT_STOP, **streams)
+    fit_interrupted(out, "stateful_streams_reloaded", stateful_streams, USER_DEALT_STOP,
+                    reload_dataloaders_every_n_epochs=1, **streams)
+    fit(out, "stateful_streams_on_fit_start_resumed", stateful_stream, max_epochs=2, ckpt_path=streams_checkpoint,
+        model_class=EstimatesStepsOnFitStart)
