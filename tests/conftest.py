@@ -24,6 +24,10 @@ settings.register_profile("dev", suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# A rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack to the captured output, so a
+# rare crash in CI says where it happened: Python's faulthandler, inherited by every rank and script started here.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 @pytest.fixture
 def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
