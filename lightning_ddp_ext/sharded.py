@@ -7,6 +7,7 @@ only when this strategy is constructed or used.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import inspect
@@ -649,7 +650,24 @@ def _renew_save_group(timeout: timedelta) -> Any:
         dist.destroy_process_group(_save_guard["group"])
     group = dist.new_group(backend="gloo", timeout=timeout)
     _save_guard.update(world=dist.group.WORLD, group=group, timeout=timeout)
+    # after CustomDDP's exit handler (registered when the default group was made), so it runs before it
+    atexit.unregister(_release_save_guard)
+    atexit.register(_release_save_guard)
     return group
+
+
+def _release_save_guard() -> None:
+    """At exit: destroy the guard's group and drop the guard's references to it and to the default group.
+
+    Held here, both groups outlived CustomDDP's exit handler (``strategy._destroy_process_group``) and kept
+    their Gloo worker threads into interpreter finalisation, where a worker that takes the GIL (as it does to
+    free a collective's tensors) aborts the process (SIGABRT, "terminate called without an active exception":
+    so died a rank of a sharded spawn fit in CI). Released, the groups are freed in that handler.
+    """
+    group = _current_save_group()
+    if group is not None:
+        dist.destroy_process_group(group)
+    _save_guard.clear()
 
 
 def _current_save_group() -> Optional[Any]:
@@ -752,6 +770,11 @@ class CustomDDPSharded(CustomDDP):
     # ------------------------------------------------------------------ process group
     @override
     def setup_distributed(self) -> None:
+        # A spawned rank unpickles this strategy without importing fairscale. Imported once the default group
+        # exists, fairscale's functions whose default argument is `dist.group.WORLD` (OSS's broadcast_object,
+        # its ShardedGradScaler) would hold that group for the life of the process, past CustomDDP's exit
+        # handler, and its Gloo threads into interpreter finalisation (see strategy._destroy_process_group).
+        _fairscale()
         super().setup_distributed()
         # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
         # leaves its group unusable, which must not be the group training runs on. Ranks other than 0 wait

@@ -11,6 +11,7 @@ import difflib
 import gc
 import inspect
 import logging
+import multiprocessing
 import os
 import weakref
 import zlib
@@ -110,14 +111,29 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
 def _destroy_process_group() -> None:
     """Destroy the default process group before the interpreter shuts down.
 
-    Lightning does this for NCCL only. A Gloo group left to interpreter finalisation occasionally aborted a
-    spawned rank on exit ("terminate called without an active exception", SIGABRT: about 1 in 20 2-rank
-    runs here; none in 28 runs since). Garbage is collected first: a DDP wrapper freed after its group was
-    destroyed can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py).
+    Lightning does this for NCCL only. A Gloo group still alive at interpreter finalisation keeps its worker
+    threads, and a worker that then takes the GIL (it does to free the tensors of a collective) aborts the
+    process: SIGABRT, "terminate called without an active exception". A group lives on while anything holds
+    it: in a spawned rank, multiprocessing keeps the trainer (with optimizers that hold groups, such as the
+    sharded strategy's) until finalisation, so that is dropped first (:func:`_release_finished_target`).
+    Garbage is collected next, freeing what held the group: a DDP wrapper freed after its group was destroyed
+    can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py).
     """
     if dist.is_available() and dist.is_initialized():
+        _release_finished_target()
         gc.collect()
         dist.destroy_process_group()
+
+
+def _release_finished_target() -> None:
+    """In a process started by multiprocessing, drop its finished target and arguments.
+
+    ``multiprocessing`` keeps the process object (``current_process()``), and with it the arguments of its
+    target (for Lightning's spawn launcher: the trainer), until the interpreter finalises. Exit handlers run
+    after the target has returned, so nothing needs them any more.
+    """
+    if multiprocessing.parent_process() is not None:
+        vars(multiprocessing.current_process()).update(_target=None, _args=(), _kwargs={})
 
 
 def _dealt_source(loader: DataLoader) -> tuple[str, int]:

@@ -41,9 +41,13 @@ from reliability_common import (  # noqa: E402
     wait_until,
 )
 
+from distributed_helpers import run_python  # noqa: E402
+
 from lightning_ddp_ext import DistributedBatchSamplerWrapper  # noqa: E402
+from lightning_ddp_ext.sharded import fairscale_available  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
+needs_fairscale = pytest.mark.skipif(not fairscale_available(), reason='needs pip install "lightning_ddp_ext[sharded]"')
 WORLD = 2
 JOB_TIMEOUT_S = PG_TIMEOUT_S + STARTUP_SLACK_S  # bounded wait for one job; the test fails past it
 TEST_TIMEOUT_S = 2 * JOB_TIMEOUT_S  # pytest-timeout, per test: the job, the orphan check, the clean-up
@@ -526,3 +530,25 @@ def test_loaders_that_are_not_dealt_may_differ_in_class_between_ranks(tmp_path: 
         assert code == 0, f"{name}:\n{log[-3000:]}"
     for rank in range(WORLD):
         assert len(read_json(tmp_path / f"rank{rank}.json")["seen"]["train/only"]) == 2 * 8  # 2 epochs of 8, whole
+
+
+# ------------------------------------------------------------------------------------------------ exit
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
+@pytest.mark.parametrize(
+    "kind",
+    ["ddp", pytest.param("sharded", marks=needs_fairscale), pytest.param("sharded_16_mixed", marks=needs_fairscale)],
+)
+def test_spawned_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_path: Path) -> None:
+    """A Gloo group alive at interpreter finalisation keeps its worker threads, and one that takes the GIL then
+    aborts the rank (SIGABRT, "terminate called without an active exception": rank 1 of a sharded "16-mixed" fit,
+    in CI). Fails without CustomDDP's exit handler (``ddp``), and for the sharded fits without any one of:
+    dropping the finished spawn target's arguments at exit (the trainer, whose OSS holds the default group),
+    releasing the checkpoint guard's group, importing fairscale before the default group exists (functions
+    whose default argument is ``dist.group.WORLD`` held it)."""
+    run_python(str(SCRIPTS / "exit_threads.py"), str(tmp_path), kind, timeout=JOB_TIMEOUT_S)
+    for rank in range(WORLD):
+        during = (tmp_path / f"during_rank{rank}.txt").read_text().split("\n")
+        left = (tmp_path / f"exit_rank{rank}.txt").read_text().split("\n")
+        assert "pt_gloo_runloop" in during, during  # the check sees Gloo's threads
+        assert [name for name in left if "gloo" in name or "tcpstore" in name] == [], left
