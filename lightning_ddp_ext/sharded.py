@@ -650,24 +650,32 @@ def _renew_save_group(timeout: timedelta) -> Any:
         dist.destroy_process_group(_save_guard["group"])
     group = dist.new_group(backend="gloo", timeout=timeout)
     _save_guard.update(world=dist.group.WORLD, group=group, timeout=timeout)
-    # after CustomDDP's exit handler (registered when the default group was made), so it runs before it
-    atexit.unregister(_release_save_guard)
-    atexit.register(_release_save_guard)
     return group
 
 
-def _release_save_guard() -> None:
-    """At exit: destroy the guard's group and drop the guard's references to it and to the default group.
+#: The CustomDDPSharded strategies that set up a process group in this process (see :func:`_release_groups`).
+_strategies_with_groups: "weakref.WeakSet[CustomDDPSharded]" = weakref.WeakSet()
 
-    Held here, both groups outlived CustomDDP's exit handler (``strategy._destroy_process_group``) and kept
-    their Gloo worker threads into interpreter finalisation, where a worker that takes the GIL (as it does to
-    free a collective's tensors) aborts the process (SIGABRT, "terminate called without an active exception":
-    so died a rank of a sharded spawn fit in CI). Released, the groups are freed in that handler.
+
+def _release_groups() -> None:
+    """At exit: destroy the checkpoint guard's group, and let go of every reference this module and the sharded
+    optimizers of live strategies hold to a process group.
+
+    Held, a group outlives CustomDDP's exit handler (``strategy._destroy_process_group``, which runs after this
+    one) and keeps its Gloo worker threads into interpreter finalisation, where a worker that takes the GIL (as it
+    does to free a collective's tensors) aborts the process (SIGABRT, "terminate called without an active
+    exception": so died a rank of a sharded spawn fit in CI). Let go, the groups are freed in that handler. The
+    optimizers are OSS instances: they hold the group as ``group``, and nothing steps them after exit.
     """
     group = _current_save_group()
     if group is not None:
         dist.destroy_process_group(group)
     _save_guard.clear()
+    oss_class, _ = _fairscale()
+    for strategy in list(_strategies_with_groups):
+        for optimizer in strategy.optimizers:
+            if isinstance(optimizer, oss_class):
+                cast(Any, optimizer).group = None
 
 
 def _current_save_group() -> Optional[Any]:
@@ -783,6 +791,10 @@ class CustomDDPSharded(CustomDDP):
         # save_timeout, so that rank 0 reports ranks that are not saving before the others give up on it.
         main_timeout = _compat.process_group_timeout(self) or default_pg_timeout
         _renew_save_group(max(main_timeout, self.save_timeout))
+        _strategies_with_groups.add(self)
+        # after CustomDDP's exit handler (registered when the default group was made), so that it runs before it
+        atexit.unregister(_release_groups)
+        atexit.register(_release_groups)
 
     # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
     @override

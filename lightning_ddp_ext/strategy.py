@@ -114,8 +114,9 @@ def _destroy_process_group() -> None:
     Lightning does this for NCCL only. A Gloo group still alive at interpreter finalisation keeps its worker
     threads, and a worker that then takes the GIL (it does to free the tensors of a collective) aborts the
     process: SIGABRT, "terminate called without an active exception". A group lives on while anything holds
-    it: in a spawned rank, multiprocessing keeps the trainer (with optimizers that hold groups, such as the
-    sharded strategy's) until finalisation, so that is dropped first (:func:`_release_finished_target`).
+    it: in a spawned rank, multiprocessing keeps the trainer (with optimizers that hold a group, such as
+    torch's ZeroRedundancyOptimizer) until finalisation, so that is dropped first
+    (:func:`_release_finished_target`).
     Garbage is collected next, freeing what held the group: a DDP wrapper freed after its group was destroyed
     can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py).
     """

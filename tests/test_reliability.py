@@ -537,15 +537,18 @@ def test_loaders_that_are_not_dealt_may_differ_in_class_between_ranks(tmp_path: 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
 @pytest.mark.parametrize(
     "kind",
-    ["ddp", pytest.param("sharded", marks=needs_fairscale), pytest.param("sharded_16_mixed", marks=needs_fairscale)],
+    ["ddp", "ddp_zero"]
+    + [pytest.param(kind, marks=needs_fairscale) for kind in ("sharded", "sharded_16_mixed", "sharded_popen")],
 )
-def test_spawned_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_path: Path) -> None:
+def test_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_path: Path) -> None:
     """A Gloo group alive at interpreter finalisation keeps its worker threads, and one that takes the GIL then
     aborts the rank (SIGABRT, "terminate called without an active exception": rank 1 of a sharded "16-mixed" fit,
-    in CI). Fails without CustomDDP's exit handler (``ddp``), and for the sharded fits without any one of:
-    dropping the finished spawn target's arguments at exit (the trainer, whose OSS holds the default group),
-    releasing the checkpoint guard's group, importing fairscale before the default group exists (functions
-    whose default argument is ``dist.group.WORLD`` held it)."""
+    in CI). Each case fails without one piece of the exit clean-up: CustomDDP's exit handler (``ddp``); its
+    dropping the finished spawn target's arguments, the trainer, whose ZeroRedundancyOptimizer holds the
+    default group (``ddp_zero``); CustomDDPSharded importing fairscale before the default group exists (its
+    functions whose default argument is ``dist.group.WORLD`` held it: the spawned ``sharded`` cases); releasing
+    the checkpoint guard's group (every sharded case) and the sharded optimizers' group (``sharded_popen``,
+    whose trainer the script itself holds)."""
     run_python(str(SCRIPTS / "exit_threads.py"), str(tmp_path), kind, timeout=JOB_TIMEOUT_S)
     for rank in range(WORLD):
         during = (tmp_path / f"during_rank{rank}.txt").read_text().split("\n")

@@ -1,4 +1,4 @@
-"""A 2-rank spawn fit whose ranks write down which threads they still have once every exit handler has run.
+"""A 2-rank fit whose ranks write down which threads they still have once every exit handler has run.
 
 A Gloo process group still alive at interpreter finalisation keeps its worker threads, and such a worker that
 takes the GIL then aborts the process (SIGABRT, "terminate called without an active exception"). Each rank writes
@@ -6,29 +6,39 @@ takes the GIL then aborts the process (SIGABRT, "terminate called without an act
 ``exit_rank<R>.txt`` from an exit handler registered when the rank starts, which therefore runs after every
 other (atexit runs last-in first-out). Thread names come from ``/proc`` (Linux).
 
-Usage: python exit_threads.py OUT_DIR {ddp,sharded,sharded_16_mixed}
+Usage: python exit_threads.py OUT_DIR {ddp,ddp_zero,sharded,sharded_16_mixed,sharded_popen}
+(spawned ranks, except ``sharded_popen``: the popen launcher runs this file again for rank 1)
 """
 import atexit
 import multiprocessing
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_ddp_ext import CustomDDP, CustomDDPSharded
+OUT, KIND = Path(sys.argv[1]), sys.argv[2]  # spawned ranks get the launcher's sys.argv too
+POPEN = KIND.endswith("_popen")
 
 
 def write_thread_names(name: str) -> None:
-    """Write this rank's thread names to ``OUT_DIR/<name>_rank<R>.txt`` (ranks only)."""
-    if multiprocessing.parent_process() is None:
-        return
+    """Write this rank's thread names to ``OUT_DIR/<name>_rank<R>.txt``."""
+    if not POPEN and multiprocessing.parent_process() is None:
+        return  # the spawn launcher, which trains nothing
     tasks = Path("/proc/self/task")
     names = [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
-    Path(os.environ["EXIT_THREADS_OUT"], f"{name}_rank{os.environ['LOCAL_RANK']}.txt").write_text("\n".join(names))
+    (OUT / f"{name}_rank{os.environ.get('LOCAL_RANK', '0')}.txt").write_text("\n".join(names))
+
+
+if POPEN or __name__ != "__main__":  # a rank: registered before anything else, so it runs after every other
+    atexit.register(write_thread_names, "exit")
+
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_ddp_ext import CustomDDP, CustomDDPSharded  # noqa: E402
 
 
 class Linear(pl.LightningModule):
@@ -40,6 +50,8 @@ class Linear(pl.LightningModule):
         return self.layer(batch[0]).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if KIND == "ddp_zero":  # torch's sharded optimizer, which holds the default group
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
     def on_train_end(self) -> None:
@@ -47,13 +59,9 @@ class Linear(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    os.environ["EXIT_THREADS_OUT"] = sys.argv[1]  # the spawned ranks inherit it
-    kind = sys.argv[2]
-    strategy = (CustomDDP if kind == "ddp" else CustomDDPSharded)(start_method="spawn")
+    strategy = (CustomDDPSharded if KIND.startswith("sharded") else CustomDDP)(start_method="popen" if POPEN else "spawn")
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=sys.argv[1], precision="16-mixed" if kind.endswith("16_mixed") else 32,
+        enable_model_summary=False, default_root_dir=OUT, precision="16-mixed" if KIND.endswith("16_mixed") else 32,
     )
     trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
-else:  # a spawned rank imports this file as __mp_main__ before it runs anything else
-    atexit.register(write_thread_names, "exit")
