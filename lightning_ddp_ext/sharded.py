@@ -7,7 +7,6 @@ only when this strategy is constructed or used.
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.util
 import inspect
@@ -25,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import TypeGuard, override
 
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.strategy import CustomDDP
@@ -642,9 +641,9 @@ def _renew_save_group(timeout: timedelta) -> Any:
 
     Each strategy setup (every fit, validate, test) calls this on every rank, so a group left unusable by a
     timed-out guard is not used again, and one such group exists per process, whichever Trainer made it. It
-    is not destroyed at teardown: ``trainer.save_checkpoint`` after ``fit`` is guarded too. Its ``timeout``
-    is how long ranks other than 0 wait for rank 0 in the guard: the main process group's timeout, so that
-    a late rank 0 is waited for as long as any collective would wait for it.
+    is not destroyed at teardown (``trainer.save_checkpoint`` after ``fit`` is guarded too), only at exit. Its
+    ``timeout`` is how long ranks other than 0 wait for rank 0 in the guard: the main process group's timeout,
+    so that a late rank 0 is waited for as long as any collective would wait for it.
     """
     if _save_guard.get("world") is dist.group.WORLD:  # else it went with its default group
         dist.destroy_process_group(_save_guard["group"])
@@ -653,29 +652,9 @@ def _renew_save_group(timeout: timedelta) -> Any:
     return group
 
 
-#: The CustomDDPSharded strategies that set up a process group in this process (see :func:`_release_groups`).
-_strategies_with_groups: "weakref.WeakSet[CustomDDPSharded]" = weakref.WeakSet()
-
-
-def _release_groups() -> None:
-    """At exit: destroy the checkpoint guard's group, and let go of every reference this module and the sharded
-    optimizers of live strategies hold to a process group.
-
-    Held, a group outlives CustomDDP's exit handler (``strategy._destroy_process_group``, which runs after this
-    one) and keeps its Gloo worker threads into interpreter finalisation, where a worker that takes the GIL (as it
-    does to free a collective's tensors) aborts the process (SIGABRT, "terminate called without an active
-    exception": so died a rank of a sharded spawn fit in CI). Let go, the groups are freed in that handler. The
-    optimizers are OSS instances: they hold the group as ``group``, and nothing steps them after exit.
-    """
-    group = _current_save_group()
-    if group is not None:
-        dist.destroy_process_group(group)
-    _save_guard.clear()
-    oss_class, _ = _fairscale()
-    for strategy in list(_strategies_with_groups):
-        for optimizer in strategy.optimizers:
-            if isinstance(optimizer, oss_class):
-                cast(Any, optimizer).group = None
+def _scales_gradients(plugin: Precision) -> TypeGuard[MixedPrecision]:
+    """Whether the precision plugin scales gradients ("16-mixed"), which this strategy does with a ShardedGradScaler."""
+    return isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed"
 
 
 def _current_save_group() -> Optional[Any]:
@@ -778,11 +757,14 @@ class CustomDDPSharded(CustomDDP):
     # ------------------------------------------------------------------ process group
     @override
     def setup_distributed(self) -> None:
-        # A spawned rank unpickles this strategy without importing fairscale. Imported once the default group
-        # exists, fairscale's functions whose default argument is `dist.group.WORLD` (OSS's broadcast_object,
-        # its ShardedGradScaler) would hold that group for the life of the process, past CustomDDP's exit
-        # handler, and its Gloo threads into interpreter finalisation (see strategy._destroy_process_group).
+        # A spawned rank unpickles this strategy without importing fairscale or torch's ShardedGradScaler.
+        # Imported once the default group exists, their functions whose default argument is `dist.group.WORLD`
+        # (fairscale OSS's broadcast_object, ShardedGradScaler.__init__) would hold that group for the life of
+        # the process, past CustomDDP's exit handler, and its Gloo threads into interpreter finalisation (see
+        # strategy._destroy_process_group).
         _fairscale()
+        if _scales_gradients(self.precision_plugin):
+            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
         super().setup_distributed()
         # A Gloo group only for the checkpoint guard: monitored_barrier needs Gloo, and a timed-out guard
         # leaves its group unusable, which must not be the group training runs on. Ranks other than 0 wait
@@ -791,17 +773,23 @@ class CustomDDPSharded(CustomDDP):
         # save_timeout, so that rank 0 reports ranks that are not saving before the others give up on it.
         main_timeout = _compat.process_group_timeout(self) or default_pg_timeout
         _renew_save_group(max(main_timeout, self.save_timeout))
-        _strategies_with_groups.add(self)
-        # after CustomDDP's exit handler (registered when the default group was made), so that it runs before it
-        atexit.unregister(_release_groups)
-        atexit.register(_release_groups)
+
+    @override
+    def _release_process_groups(self) -> None:
+        """At exit, besides what CustomDDP lets go of: destroy the checkpoint guard's group and drop this module's
+        references to it and to the default group."""
+        super()._release_process_groups()
+        group = _current_save_group()
+        if group is not None:
+            dist.destroy_process_group(group)
+        _save_guard.clear()
 
     # ------------------------------------------------------------------ set-up: optimizers first, then the wrapper
     @override
     def setup(self, trainer: Trainer) -> None:
         plugin = self.precision_plugin
         _clip_through_oss(plugin)
-        if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+        if _scales_gradients(plugin):
             scaler = rank_synchronised_scaler(plugin.scaler, plugin.device, self.data_parallel_group)
             if scaler is not plugin.scaler:
                 rank_zero_info(f"{type(self).__name__}: gradient scaling with ShardedGradScaler (found-inf agreed).")

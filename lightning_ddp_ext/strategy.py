@@ -114,16 +114,25 @@ def _destroy_process_group() -> None:
     Lightning does this for NCCL only. A Gloo group still alive at interpreter finalisation keeps its worker
     threads, and a worker that then takes the GIL (it does to free the tensors of a collective) aborts the
     process: SIGABRT, "terminate called without an active exception". A group lives on while anything holds
-    it: in a spawned rank, multiprocessing keeps the trainer (with optimizers that hold a group, such as
-    torch's ZeroRedundancyOptimizer) until finalisation, so that is dropped first
-    (:func:`_release_finished_target`).
-    Garbage is collected next, freeing what held the group: a DDP wrapper freed after its group was destroyed
-    can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py).
+    it: in a spawned rank, multiprocessing keeps the trainer until finalisation, so that is dropped first
+    (:func:`_release_finished_target`); under popen the script keeps it, so every strategy set up in this
+    process lets go of the groups its model wrapper, optimizers and gradient scaler hold
+    (:meth:`CustomDDP._release_process_groups`). Garbage is collected next, freeing what held the group: a DDP
+    wrapper freed after its group was destroyed can hang in its destructor (seen with plain torch,
+    docs/examples/plain_torch.py).
     """
     if dist.is_available() and dist.is_initialized():
         _release_finished_target()
+        _release_strategies_groups()
         gc.collect()
         dist.destroy_process_group()
+
+
+def _release_strategies_groups() -> None:
+    """Let every strategy set up in this process release its process groups (a function of its own, so that no
+    local variable keeps the last strategy alive through the garbage collection that follows)."""
+    for strategy in list(_STRATEGIES_SET_UP):
+        strategy._release_process_groups()
 
 
 def _release_finished_target() -> None:
@@ -131,7 +140,8 @@ def _release_finished_target() -> None:
 
     ``multiprocessing`` keeps the process object (``current_process()``), and with it the arguments of its
     target (for Lightning's spawn launcher: the trainer), until the interpreter finalises. Exit handlers run
-    after the target has returned, so nothing needs them any more.
+    after the target has returned, so nothing needs them any more. (Only spawned processes run exit handlers:
+    forked ones end with ``os._exit``.)
     """
     if multiprocessing.parent_process() is not None:
         vars(multiprocessing.current_process()).update(_target=None, _args=(), _kwargs={})
@@ -159,6 +169,9 @@ _NOTHING_PLANNED: _Plan = (None, None)
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
 _TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
+#: The strategies whose ``setup_distributed`` ran in this process: at exit each lets go of the process groups it
+#: holds (see `_destroy_process_group`).
+_STRATEGIES_SET_UP: "weakref.WeakSet[CustomDDP]" = weakref.WeakSet()
 #: Wrappers holding a resume skip that no training iteration has taken yet, with the id of the strategy that set
 #: it (see `_prepare_first_epoch`).
 _PENDING_SKIPS: "weakref.WeakKeyDictionary[_Wrapper, int]" = weakref.WeakKeyDictionary()
@@ -321,6 +334,23 @@ class CustomDDP(DDPStrategy):
         reset_seed()
         self.set_world_ranks()
         self.init_ddp_connection(self.global_rank, self.world_size)
+        _STRATEGIES_SET_UP.add(self)
+
+    def _release_process_groups(self) -> None:
+        """At exit: let go of the process groups this strategy holds, so that the exit handler frees them.
+
+        The model wrapper holds its group (a rank that failed never tore it down), and optimizers and gradient
+        scalers may hold one as an attribute (torch's ZeroRedundancyOptimizer and ShardedGradScaler as
+        ``process_group``, fairscale's OSS as ``group``): such attributes are set to None, as nothing steps them
+        after exit.
+        """
+        if self.lightning_module is not None:
+            self.model = self.lightning_module
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        for holder in (*self.optimizers, scaler):
+            for name, value in list(getattr(holder, "__dict__", {}).items()):
+                if isinstance(value, dist.ProcessGroup):
+                    setattr(holder, name, None)
 
     def init_ddp_connection(self, global_rank: int, world_size: int) -> None:
         """Initialise the default process group; override to change how ranks meet.

@@ -537,20 +537,26 @@ def test_loaders_that_are_not_dealt_may_differ_in_class_between_ranks(tmp_path: 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
 @pytest.mark.parametrize(
     "kind",
-    ["ddp", "ddp_zero"]
-    + [pytest.param(kind, marks=needs_fairscale) for kind in ("sharded", "sharded_16_mixed", "sharded_popen")],
+    ["ddp", "ddp_zero", "ddp_zero_popen", "ddp_module_group", "ddp_failing"]
+    + [pytest.param(kind, marks=needs_fairscale) for kind in ("sharded", "sharded_16_mixed", "sharded_16_mixed_popen")],
 )
 def test_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_path: Path) -> None:
     """A Gloo group alive at interpreter finalisation keeps its worker threads, and one that takes the GIL then
     aborts the rank (SIGABRT, "terminate called without an active exception": rank 1 of a sharded "16-mixed" fit,
-    in CI). Each case fails without one piece of the exit clean-up: CustomDDP's exit handler (``ddp``); its
-    dropping the finished spawn target's arguments, the trainer, whose ZeroRedundancyOptimizer holds the
-    default group (``ddp_zero``); CustomDDPSharded importing fairscale before the default group exists (its
-    functions whose default argument is ``dist.group.WORLD`` held it: the spawned ``sharded`` cases); releasing
-    the checkpoint guard's group (every sharded case) and the sharded optimizers' group (``sharded_popen``,
-    whose trainer the script itself holds)."""
+    in CI). Each piece of the exit clean-up has cases that fail without it:
+
+    * CustomDDP's exit handler: ``ddp``;
+    * its dropping of the finished spawn target's arguments (the trainer): ``ddp_module_group``, whose
+      LightningModule keeps the default group;
+    * each strategy letting go of the groups its model wrapper, optimizers and scaler hold: ``ddp_zero_popen``
+      (torch's ZeroRedundancyOptimizer, in a script that keeps the trainer), ``ddp_failing`` (a rank that raised
+      and never tore down its DDP wrapper), ``sharded_16_mixed_popen``; ``ddp_zero`` needs either of these two;
+    * CustomDDPSharded importing fairscale and torch's ShardedGradScaler before the default group exists (their
+      ``dist.group.WORLD`` default arguments held it): ``sharded``, ``sharded_16_mixed`` (and ``..._popen``
+      for the scaler); and releasing the checkpoint guard's group: every sharded case.
+    """
     run_python(str(SCRIPTS / "exit_threads.py"), str(tmp_path), kind, timeout=JOB_TIMEOUT_S)
-    for rank in range(WORLD):
+    for rank in [1] if kind == "ddp_failing" else range(WORLD):  # rank 0 of a failed spawn job is terminated
         during = (tmp_path / f"during_rank{rank}.txt").read_text().split("\n")
         left = (tmp_path / f"exit_rank{rank}.txt").read_text().split("\n")
         assert "pt_gloo_runloop" in during, during  # the check sees Gloo's threads

@@ -6,8 +6,11 @@ takes the GIL then aborts the process (SIGABRT, "terminate called without an act
 ``exit_rank<R>.txt`` from an exit handler registered when the rank starts, which therefore runs after every
 other (atexit runs last-in first-out). Thread names come from ``/proc`` (Linux).
 
-Usage: python exit_threads.py OUT_DIR {ddp,ddp_zero,sharded,sharded_16_mixed,sharded_popen}
-(spawned ranks, except ``sharded_popen``: the popen launcher runs this file again for rank 1)
+Usage: python exit_threads.py OUT_DIR KIND, KIND one of ddp, ddp_zero (torch's ZeroRedundancyOptimizer),
+ddp_module_group (the LightningModule keeps the default group for collectives of its own),
+ddp_failing (rank 1 raises in its third step; only that rank's files are written), sharded, sharded_16_mixed
+(fairscale with a ShardedGradScaler), each spawned, or with ``_popen`` appended: the popen launcher, which runs
+this file again for rank 1 (and whose script keeps the trainer to the end).
 """
 import atexit
 import multiprocessing
@@ -23,8 +26,12 @@ def write_thread_names(name: str) -> None:
     """Write this rank's thread names to ``OUT_DIR/<name>_rank<R>.txt``."""
     if not POPEN and multiprocessing.parent_process() is None:
         return  # the spawn launcher, which trains nothing
-    tasks = Path("/proc/self/task")
-    names = [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
     (OUT / f"{name}_rank{os.environ.get('LOCAL_RANK', '0')}.txt").write_text("\n".join(names))
 
 
@@ -35,6 +42,7 @@ from typing import Any  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -46,11 +54,18 @@ class Linear(pl.LightningModule):
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
 
+    def setup(self, stage: str) -> None:
+        if KIND.startswith("ddp_module_group"):
+            self.sync_group = torch.distributed.group.WORLD
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if KIND.startswith("ddp_failing") and self.global_rank == 1 and batch_idx == 2:
+            write_thread_names("during")
+            raise RuntimeError("injected failure")
         return self.layer(batch[0]).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if KIND == "ddp_zero":  # torch's sharded optimizer, which holds the default group
+        if KIND.startswith("ddp_zero"):  # torch's sharded optimizer, which holds the default group
             return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
@@ -60,8 +75,14 @@ class Linear(pl.LightningModule):
 
 if __name__ == "__main__":
     strategy = (CustomDDPSharded if KIND.startswith("sharded") else CustomDDP)(start_method="popen" if POPEN else "spawn")
+    # "16-mixed" by name is bf16 on CPU: the plugin keeps float16 and its gradient scaler
+    plugins = [MixedPrecision("16-mixed", "cpu")] if "16_mixed" in KIND else []
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=OUT, precision="16-mixed" if KIND.endswith("16_mixed") else 32,
+        enable_model_summary=False, default_root_dir=OUT, plugins=plugins,
     )
-    trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+    try:
+        trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
+    except Exception as error:  # the failing kinds: rank 1's exit is what is checked
+        if "injected failure" not in str(error):
+            raise
