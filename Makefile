@@ -32,22 +32,23 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
 
-## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes, the sharded scaler) against the lowest supported Lightning
-RESUME_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
+## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes, exit clean-up, the sharded scaler) against the lowest supported Lightning
+RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
 	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch \
 	test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run \
 	test_a_loader_serving_training_and_validation_is_not_left_with_a_resume_skip \
 	test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resumes_without_a_warning \
 	test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a_warning_says_so \
 	test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_fit \
-	test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes)
+	test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes \
+	test_ranks_leave_no_gloo_thread_to_interpreter_finalisation)
 # Lightning 2.2 makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
 # and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
 SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \
 	test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process)
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
-	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RESUME_TESTS) $(SHARDED_LOWEST_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RELIABILITY_TESTS) $(SHARDED_LOWEST_TESTS)
 
 ## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
 typecheck: $(VENV)/.installed
