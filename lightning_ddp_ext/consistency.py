@@ -49,6 +49,8 @@ class SequenceDigest:
         declared_length: ``len()`` of the user's sampler for that epoch.
         items: how many items the digest covers.
         value: hash of the first items and of a regular sample of the rest.
+        dealing: the wrapper's options that decide each rank's share (its seed, say): equal sequences dealt
+            with different options overlap just the same.
     """
 
     sampler: str
@@ -56,6 +58,7 @@ class SequenceDigest:
     declared_length: int
     items: int
     value: int
+    dealing: str = ""
 
 
 class RunningDigest:
@@ -69,11 +72,12 @@ class RunningDigest:
     hashed items are also validated: each must be an integer index or a sequence of them.
     """
 
-    def __init__(self, sampler: str, epoch: int, declared_length: int, batched: bool) -> None:
+    def __init__(self, sampler: str, epoch: int, declared_length: int, batched: bool, dealing: str = "") -> None:
         self._sampler = sampler
         self._epoch = epoch
         self._declared_length = declared_length
         self._batched = batched
+        self._dealing = dealing
         self._value = 0
         self._items = 0
 
@@ -122,7 +126,9 @@ class RunningDigest:
             ) from None
 
     def snapshot(self) -> SequenceDigest:
-        return SequenceDigest(self._sampler, self._epoch, self._declared_length, self._items, self._value)
+        return SequenceDigest(
+            self._sampler, self._epoch, self._declared_length, self._items, self._value, self._dealing
+        )
 
 
 def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any] = None) -> None:
@@ -130,7 +136,7 @@ def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any
 
     Every rank must call this at the same point with digests of the same samplers in the same order (it
     is a collective), or :func:`report_failure` in its place. ``None`` entries (a sampler not iterated yet)
-    take part as they are. Does nothing when no process group is initialised.
+    take part as they are. Does nothing when no process group is initialised, or on a rank outside ``group``.
     """
     gathered = _gather(tuple(digests), group)
     if gathered is None:
@@ -176,10 +182,14 @@ class _Failure:
 
 
 def _gather(sent: Any, group: Optional[Any]) -> Optional[list[Any]]:
-    """Every rank's ``sent``, in rank order; None when no process group is initialised."""
+    """Every rank's ``sent``, in rank order; None when no process group is initialised or this rank is not in
+    ``group``."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    gathered: list[Any] = [None] * dist.get_world_size(group)
+    ranks = dist.get_world_size(group)
+    if ranks < 1:  # torch says -1 on a rank outside `group`: it takes no part, as in torch's own collectives
+        return None
+    gathered: list[Any] = [None] * ranks
     dist.all_gather_object(gathered, sent, group=group)
     return gathered
 
@@ -202,6 +212,21 @@ def _divergence_error(
             f"the ranks are out of step: rank 0 and rank {rank} compare different loaders here (they build different"
             " numbers or kinds of loaders). Give every rank the same loaders, in the same order."
         )
+    if reference is not None and other is not None and other.declared_length == reference.declared_length:
+        if other.epoch != reference.epoch:
+            return RuntimeError(
+                f"the ranks deal {known.sampler} for different epochs: epoch {reference.epoch} on rank 0 but"
+                f" {other.epoch} on rank {rank}, so their shares come from different orders and overlap. Call"
+                " set_epoch(epoch) with the same epoch on every rank before each epoch (on"
+                " loader.batch_sampler.sampler, or on loader.sampler when loader.batch_sampler is None)."
+            )
+        if other.dealing != reference.dealing:
+            return RuntimeError(
+                f"the ranks deal {known.sampler} out with different options: {reference.dealing} on rank 0 but"
+                f" {other.dealing} on rank {rank}. Each rank keeps its own positions of one dealt sequence, so"
+                " the options must be the same on every rank (a seed that differs per rank makes the shares"
+                " overlap): pass the same shuffle, seed, shuffle_window, pad and even_shares on every rank."
+            )
     if reference is None or other is None:
         what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
     elif other.declared_length != reference.declared_length:
@@ -214,5 +239,6 @@ def _divergence_error(
         " sampler identically on every rank (for example pass a torch.Generator seeded with the same number, and"
         " derive per-epoch randomness from seed + epoch in set_epoch), and give it the same data on every rank."
         " If it already gives each rank its own share (it reads the rank), it must not be dealt again: pass"
-        " Trainer(use_distributed_sampler=False), or build its loader with patch_dataloader_to_ddp left out."
+        " Trainer(use_distributed_sampler=False) under Lightning, or leave patch_dataloader_to_ddp out in plain"
+        " PyTorch."
     )

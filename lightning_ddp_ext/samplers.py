@@ -226,6 +226,15 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             raise ValueError("real_share_length() needs shuffle=False: shuffling moves padding into the sequence.")
         return len(range(self.rank, min(self._declared_length(), self._plan(self._declared_length())), self.num_replicas))
 
+    def _dealing_options(self) -> str:
+        """The options that decide which positions are this rank's: every rank must deal with the same ones (the
+        seed and window only matter when shuffling), or shares overlap even when the sequences agree."""
+        options = f"num_replicas={self.num_replicas}, shuffle={self.shuffle}, pad={self.pad}"
+        options += f", even_shares={self.even_shares}"
+        if self.shuffle:
+            options += f", seed={self.seed}, shuffle_window={self.shuffle_window}"
+        return options
+
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (it seeds the shuffle) and forward it to the user's sampler.
@@ -301,7 +310,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """This rank's items of the epoch, as consecutive lists."""
         length = self._declared_length()
         total = self._plan(length)
-        digest = RunningDigest(self._source_name, self.epoch, length, self._batched)
+        digest = RunningDigest(self._source_name, self.epoch, length, self._batched, self._dealing_options())
         self._head_digest = None
         self.yielded = []
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None

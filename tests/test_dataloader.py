@@ -289,9 +289,20 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
     verify_same_sequence(seeded.head_digest)
     unseeded = DistributedBatchSamplerWrapper(BatchSampler(RandomSampler(range(30)), 4, False))
     next(iter(unseeded))
+    # The same seeded sequence, dealt with a seed that differs per rank (shares overlap) or for different epochs.
+    seed_per_rank = DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11), shuffle=True, seed=100 + rank)
+    epoch_per_rank = DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11), shuffle=True)
+    epoch_per_rank.set_epoch(int(rank == 0))  # rank 0 called set_epoch(1), the others did not
+    for wrapper in (seed_per_rank, epoch_per_rank):
+        next(iter(wrapper))
+    pair = torch.distributed.new_group([0, 1])  # a collective: every rank makes it
     errors = {}
     calls: Dict[str, Callable[[], None]] = {
         "unseeded": lambda: verify_same_sequence(unseeded.head_digest),
+        "seed_per_rank": lambda: verify_same_sequence(seed_per_rank.head_digest),
+        "epoch_per_rank": lambda: verify_same_sequence(epoch_per_rank.head_digest),
+        # ranks 0 and 1 compare within their group (and differ); rank 2, outside it, takes no part and passes
+        "subgroup": lambda: verify_same_sequence(unseeded.head_digest, group=pair),
         # rank 2 compares one sampler more than the others: the extra one must not go unchecked
         "count": lambda: verify_same_sequence(*[seeded.head_digest] * (1 + (rank == 2))),
         # rank 1 failed before it had digests: the others must raise at once, naming it, not wait for it
@@ -321,8 +332,14 @@ def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
     unseeded_error = errors["unseeded"]
     assert "BatchSampler does not produce the same sequence" in unseeded_error
     assert "Seed the sampler identically on every rank" in unseeded_error
+    assert "the ranks deal ClassBalancedBatches out with different options" in errors["seed_per_rank"]
+    assert "seed=100, shuffle_window=None on rank 0 but" in errors["seed_per_rank"]
+    assert "epoch 1 on rank 0 but 0 on rank 1" in errors["epoch_per_rank"], errors["epoch_per_rank"]
+    assert "Call set_epoch(epoch) with the same epoch on every rank" in errors["epoch_per_rank"]
+    every_rank = {"unseeded", "count", "seed_per_rank", "epoch_per_rank"}
     for rank, (_, raised) in enumerate(results):
-        assert raised.keys() == ({"unseeded", "count"} | ({"failure"} if rank != 1 else set())), (rank, raised)
+        expected = every_rank | ({"failure"} if rank != 1 else set()) | ({"subgroup"} if rank < 2 else set())
+        assert raised.keys() == expected, (rank, raised)
         assert "rank 0 compared 1 sampler(s) but rank 2 2" in raised["count"], raised["count"]
         if rank != 1:
             assert "rank 1 failed before it could compare" in raised["failure"], raised["failure"]

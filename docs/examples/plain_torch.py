@@ -57,14 +57,18 @@ def worker(rank: int, rendezvous: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     wrapper = train_loader.batch_sampler
     for epoch in range(2):
-        train_loader.batch_sampler.sampler.set_epoch(epoch)  # works for every loader patch_dataloader_to_ddp shards
-        for x, _ in train_loader:
+        # On loader.batch_sampler.sampler, or on loader.sampler for a loader with batch_size=None.
+        train_loader.batch_sampler.sampler.set_epoch(epoch)
+        for step, (x, _) in enumerate(train_loader):
+            if step == 0:
+                # Every rank must deal the same sequence with the same options (an unseeded sampler would not):
+                # a collective that raises on every rank, naming the sampler, when they differ. Here, before the
+                # first backward pass: a rank with fewer batches must not be left waiting in DDP's all-reduce.
+                verify_same_sequence(wrapper.head_digest, wrapper.epoch_digest)
             optimizer.zero_grad()
             model(x).pow(2).mean().backward()
             optimizer.step()
-        # Every rank must have drawn the same sequence (an unseeded sampler would not): a collective that raises
-        # on every rank, naming the sampler, when they differ.
-        verify_same_sequence(wrapper.head_digest, wrapper.epoch_digest)
+    verify_same_sequence(wrapper.epoch_digest)  # the last epoch as a whole (the next epoch would compare it)
 
     # Evaluation: each rank runs its share, then every rank gets all outputs in dataset order, once each.
     eval_loader = patch_dataloader_to_ddp(loader, pad=True)
