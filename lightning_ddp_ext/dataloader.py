@@ -296,10 +296,25 @@ def patch_dataloader_to_ddp(
         new_sampler = DistributedSamplerWrapper(sampler, **wrapper_kwargs)
     if batch_sampler is None:  # automatic batching off: the sampler's indices are the items
         return DataLoader(dataset, batch_size=None, sampler=new_sampler, **carried)
-    return DataLoader(
-        dataset,
-        batch_size=batch_sampler.batch_size,  # type: ignore[attr-defined]
-        drop_last=batch_sampler.drop_last,  # type: ignore[attr-defined]
-        sampler=new_sampler,
-        **carried,
+    batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last  # type: ignore[attr-defined]
+    if drop_last:
+        _refuse_shares_without_a_batch(sampler, new_sampler, batch_size, world)
+    return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, sampler=new_sampler, **carried)
+
+
+def _refuse_shares_without_a_batch(sampler: Sampler[Any], dealt: Sampler[Any], batch_size: int, world: int) -> None:
+    """Raise, on every rank alike, when ``drop_last`` batching of the dealt shares leaves a rank with no batch
+    although the single-process loader had one: that rank would train or evaluate nothing, silently (or, if
+    only some ranks are left without, the others would wait for it in their collectives)."""
+    items = len(sampler)  # type: ignore[arg-type]
+    uneven = isinstance(dealt, DistributedSamplerWrapper) and not dealt.even_shares
+    fewest = items // world if uneven else len(dealt)  # type: ignore[arg-type]
+    if fewest >= batch_size or items < batch_size:
+        return
+    who = f"rank {world - 1}" if uneven else "every rank"
+    raise ValueError(
+        f"{_OWNER}: batch_size={batch_size} with drop_last=True leaves {who} without a batch: the"
+        f" {items} samples of {type(sampler).__name__} dealt among {world} ranks give {who} {fewest}, and"
+        f" drop_last drops an incomplete batch (a single process had {items // batch_size}). Use a smaller"
+        " batch_size, drop_last=False, or fewer ranks."
     )

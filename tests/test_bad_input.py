@@ -18,7 +18,7 @@ from typing import Any, Iterator, List
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
@@ -404,3 +404,20 @@ def test_loaders_that_cannot_be_sharded_are_iterated_whole_on_every_rank(unshard
 def test_a_loader_that_is_not_a_dataloader_is_warned_about(unsharded_run: dict) -> None:
     warned = unsharded_run[0]["facts"]["warnings"]
     assert any("HandRolledLoader" in w and "every rank" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_drop_last_leaving_ranks_without_a_batch_is_refused(uneven: bool) -> None:
+    """5 samples, batch_size=4: one batch in one process, but shares of 3 (or 2) samples on 2 ranks, which
+    drop_last would leave empty: nothing would train, silently."""
+    options = {"even_shares": False} if uneven else {}
+    who = "rank 1" if uneven else "every rank"
+    for sampler in (None, WeightedRandomSampler([1.0] * 5, 5, generator=torch.Generator().manual_seed(0))):
+        loader = DataLoader(range(5), batch_size=4, drop_last=True, sampler=sampler)
+        for rank in range(2):
+            with pytest.raises(ValueError, match=f"drop_last=True leaves {who} without a batch: the 5 samples"):
+                patch_dataloader_to_ddp(loader, num_replicas=2, rank=rank, **options)
+    # Left alone: a batch per rank survives, or the loader had none to begin with, or drop_last is off.
+    assert len(patch_dataloader_to_ddp(DataLoader(range(8), batch_size=4, drop_last=True), 2, 0, **options)) == 1
+    assert len(patch_dataloader_to_ddp(DataLoader(range(3), batch_size=4, drop_last=True), 2, 0, **options)) == 0
+    assert len(patch_dataloader_to_ddp(DataLoader(range(5), batch_size=4), 2, 1, **options)) == 1
