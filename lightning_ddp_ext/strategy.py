@@ -843,7 +843,7 @@ class CustomDDP(DDPStrategy):
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
         training = stage == RunningStage.TRAINING
         try:
-            patched = self._patch(dataloader, training)
+            patched = self._patch(dataloader, training, overfitting=training and trainer.overfit_batches > 0)
             if patched is not None:
                 source, length = _dealt_source(patched)
             else:
@@ -874,12 +874,22 @@ class CustomDDP(DDPStrategy):
             self._prepare_first_epoch(loader, trainer)
         return loader
 
-    def _patch(self, dataloader: object, training: bool) -> Optional[DataLoader]:
+    def _patch(self, dataloader: object, training: bool, overfitting: bool = False) -> Optional[DataLoader]:
         """``dataloader`` dealt for this rank (``dataloader`` itself when it is an empty split); None for a loader
         that is not dealt: not a DataLoader, an IterableDataset, or a loader its user sharded."""
         if not isinstance(dataloader, DataLoader):
             return None
         options = self.sharding_options(training)
+        if overfitting and options.get("shuffle"):
+            # overfit_batches trains the same batches every epoch: Lightning turns a loader's own shuffling off
+            # (and warns), so the batch shuffle goes off too, or each epoch would overfit other batches.
+            options["shuffle"] = False
+            rank_zero_warn(
+                f"{type(self).__name__}: overfit_batches is set, so the training loaders' batches are dealt without"
+                " shuffle_batches_between_ranks (every epoch trains on the same batches, as Lightning turns a"
+                " loader's own shuffling off).",
+                category=UserWarning,
+            )
         default = uses_default_sampler(dataloader)
         # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
         # "ddp". It still takes part in the length check, which fails on every rank if others are not empty.

@@ -591,6 +591,28 @@ def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> 
         CustomDDP(seed=1.5)  # type: ignore[arg-type]
 
 
+def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_shuffle() -> None:
+    """overfit_batches trains on the same batches every epoch (Lightning turns a loader's own shuffling off):
+    the batch shuffle of a custom sampler goes off too, with a warning, instead of overfitting other batches."""
+
+    def epochs(**trainer_options: Any) -> List[List[int]]:
+        model = OrderRecorder()
+        with single_rank_in_this_process(free_port()):
+            trainer = pl.Trainer(
+                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3),
+                **trainer_kwargs(devices=1, max_epochs=3, **trainer_options),
+            )
+            data = TensorDataset(torch.arange(12.0).unsqueeze(1))
+            trainer.fit(model, DataLoader(data, batch_sampler=[[2 * i, 2 * i + 1] for i in range(6)]))
+        return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
+
+    with pytest.warns(UserWarning, match="overfit_batches is set, so the training loaders' batches are dealt without"):
+        overfit = epochs(overfit_batches=1)
+    assert overfit == [[0, 1]] * 3, overfit  # the sampler's first batch, as without the strategy
+    shuffled = epochs(limit_train_batches=1)
+    assert len({tuple(batch) for batch in shuffled}) > 1, shuffled  # the shuffle itself is still on otherwise
+
+
 class SeededPerRank(Recorder):
     """Seeds each rank differently, as users do to vary augmentation."""
 
