@@ -126,3 +126,11 @@ def test_training_iterator_made_again_as_the_fit_loop_makes_it() -> None:
     assert "not self.restarting" in inspect.getsource(_TrainingEpochLoop.on_run_start)
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
     assert _compat.can_restart_training_iterator(trainer) is False  # not set up: there is no iterator to make again
+
+
+def test_evaluation_loop_knows_its_mode_and_limits() -> None:
+    """`evaluated_batches` reads them for a CombinedLoader that steps its loaders together (mode "max_size")."""
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+
+    for name in ("_is_sequential", "max_batches"):
+        assert isinstance(inspect.getattr_static(_EvaluationLoop, name), property), name

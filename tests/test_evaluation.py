@@ -8,6 +8,7 @@ from typing import Any, List, Optional
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities import CombinedLoader
 import torch
 from distributed_helpers import single_rank_in_this_process
 from reliability_common import free_port
@@ -92,6 +93,41 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
             assert sum(rows) == SIZE  # no sample evaluated twice
         else:
             assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
+
+
+class CombinedEmbedder(Embedder):
+    """Validates a non-sequential CombinedLoader: every step holds a batch of each loader (None once one ran out).
+    Also writes which samples each loader's steps saw."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.seen = getattr(self, "seen", {str(idx): [] for idx in range(len(batch))})
+        for idx, part in enumerate(batch):
+            if part is not None:
+                super().validation_step(part, batch_idx, idx)
+                self.seen[str(idx)] += part[1].tolist()
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        Path(self.out_dir, f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.parametrize("mode", ["max_size", "min_size"])
+def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(tmp_path: Path, mode: str) -> None:
+    """Lightning counts such steps under loader 0 only; each loader's own count must still check and gather its
+    values: all of every loader in "max_size" (the shorter ones run out first), as far as the shortest went in
+    "min_size"."""
+    model = CombinedEmbedder(str(tmp_path))
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
+    trainer.validate(model, CombinedLoader(loaders(), mode=mode))
+    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    seen = [json.loads(Path(tmp_path, f"seen{r}.json").read_text()) for r in range(2)]
+    for idx in ("0", "1", "2"):
+        evaluated = sorted(set(seen[0][idx] + seen[1][idx]))
+        assert (evaluated == list(range(SIZE))) == (mode == "max_size" or idx == "1"), idx  # 5 of 6 batches else
+        with torch.no_grad():
+            expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
+        for report in reports:
+            assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6), idx
 
 
 class CarelessEmbedder(Embedder):
