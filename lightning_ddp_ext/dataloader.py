@@ -16,6 +16,7 @@ No Lightning import here: this works with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import multiprocessing
 import sys
@@ -195,8 +196,10 @@ def patch_dataloader_to_ddp(
 
     Every DataLoader argument other than the sampling ones is carried over. The user's sampler or batch
     sampler is wrapped, never rebuilt, so batches a batch sampler builds itself reach the model unchanged.
-    The new loader is a plain ``DataLoader``, also for a DataLoader subclass (``CustomDDP`` rebuilds those as
-    their own class, with Lightning's record of their arguments).
+    A DataLoader subclass (torchdata's ``StatefulDataLoader``, one with an ``__iter__`` of its own) is built
+    again as its own class when every argument of its ``__init__`` is one of DataLoader's, an attribute of
+    the same name, or left at its default, and it keeps the sharded sampler; otherwise the new loader is a
+    plain ``DataLoader`` and a warning says what was lost and what to change.
 
     Once patched, a default sampler's order comes from ``seed + epoch`` (the same on every rank), no longer
     from the loader's ``generator=`` or the ``RandomSampler``'s own. Before each epoch call ``set_epoch(epoch)`` on
@@ -223,7 +226,8 @@ def patch_dataloader_to_ddp(
 
     Raises:
         ValueError: ``num_replicas``/``rank`` out of range or not integers; an empty sampler or dataset;
-            ``pad=False`` with fewer items than ranks; an option of the wrong type.
+            ``pad=False`` with fewer items than ranks; ``drop_last`` batches larger than a rank's share; an
+            option of the wrong type.
         TypeError: an unknown option; not a DataLoader; ``dataset=None``; a sampler without ``__len__``.
         RuntimeError: no process group, and only one of ``num_replicas``/``rank`` given.
 
@@ -233,6 +237,14 @@ def patch_dataloader_to_ddp(
         >>> [batch.tolist() for batch in patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)]
         [[1, 3], [5, 7], [9]]
     """
+    return _patch(loader, num_replicas, rank, options, keep_class=True)
+
+
+def _patch(
+    loader: DataLoader, num_replicas: Optional[int], rank: Optional[int], options: Dict[str, Any], keep_class: bool
+) -> DataLoader:
+    """:func:`patch_dataloader_to_ddp`; ``keep_class=False`` returns a plain DataLoader for a subclass too, for a
+    caller that rebuilds the class itself (``CustomDDP``, from Lightning's record of the loader's arguments)."""
     unknown = set(options) - set(WRAPPER_OPTIONS)
     if unknown:
         raise TypeError(
@@ -278,14 +290,15 @@ def patch_dataloader_to_ddp(
     dataset = loader.dataset
     batch_sampler = loader.batch_sampler
     sampler = _plainly_batched_sampler(loader)
+    build = functools.partial(_build, loader, carried, keep_class)
     if sampler is None:
         new_batch_sampler = DistributedBatchSamplerWrapper(batch_sampler, **wrapper_kwargs)  # type: ignore[arg-type]
-        return DataLoader(dataset, batch_sampler=new_batch_sampler, **carried)
+        return build(batch_sampler=new_batch_sampler, batch_size=1, drop_last=False)
     if batch_sampler is None and isinstance(sampler, BatchSampler):
         # DataLoader(sampler=BatchSampler(...), batch_size=None): the dataset fetches a whole batch per key, so
         # the sampler's items are batches, dealt whole like a batch sampler's.
         batches = DistributedBatchSamplerWrapper(sampler, **wrapper_kwargs)
-        return DataLoader(dataset, batch_size=None, sampler=batches, **carried)
+        return build(batch_size=None, sampler=batches)
 
     # The batch sampler's own size and drop_last: with DataLoader(batch_sampler=BatchSampler(...)),
     # loader.batch_size is None.
@@ -295,11 +308,75 @@ def patch_dataloader_to_ddp(
     else:
         new_sampler = DistributedSamplerWrapper(sampler, **wrapper_kwargs)
     if batch_sampler is None:  # automatic batching off: the sampler's indices are the items
-        return DataLoader(dataset, batch_size=None, sampler=new_sampler, **carried)
+        return build(batch_size=None, sampler=new_sampler)
     batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last  # type: ignore[attr-defined]
     if drop_last:
         _refuse_shares_without_a_batch(sampler, new_sampler, batch_size, world)
-    return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last, sampler=new_sampler, **carried)
+    return build(batch_size=batch_size, drop_last=drop_last, sampler=new_sampler)
+
+
+def _build(loader: DataLoader, carried: Dict[str, Any], keep_class: bool, **sampling: Any) -> DataLoader:
+    """The new loader over ``loader``'s dataset with ``sampling`` (the sharded sampler or batch sampler and how to
+    batch) and the ``carried`` arguments: ``loader``'s own class where it can be built again (see
+    :func:`_same_class`), else a plain DataLoader."""
+    if keep_class and type(loader) is not DataLoader:
+        rebuilt, why_not = _same_class(loader, carried, sampling)
+        if rebuilt is not None:
+            return rebuilt
+        cls = type(loader).__name__
+        _warn_once(
+            f"{_OWNER}: {cls} is a DataLoader subclass but could not be built again with the sharded sampler"
+            f" ({why_not}), so this rank's share is loaded by a plain DataLoader: what {cls} adds (its __iter__, its"
+            f" state_dict, its own arguments) is lost. Let {cls}.__init__ take DataLoader's arguments and pass them"
+            " on, keeping any argument of its own as an attribute of the same name; or build the loader yourself"
+            " around DistributedBatchSamplerWrapper / DistributedSamplerWrapper."
+        )
+    plain = {name: value for name, value in sampling.items() if not (name == "batch_sampler" and value is None)}
+    if "batch_sampler" in plain:
+        plain = {"batch_sampler": plain["batch_sampler"]}  # DataLoader refuses batch_size/drop_last beside it
+    return DataLoader(loader.dataset, **plain, **carried)
+
+
+def _same_class(
+    loader: DataLoader, carried: Dict[str, Any], sampling: Dict[str, Any]
+) -> Tuple[Optional[DataLoader], str]:
+    """``loader``'s class built again with ``sampling``, or None and why not.
+
+    Each argument of its ``__init__`` is taken from ``sampling`` and ``carried`` (DataLoader's own), else from an
+    attribute of the same name; one without either keeps its default, and a required one fails. A class that
+    does not pass the sampler on (the new loader would not be sharded) fails too."""
+    sampling = {"sampler": None, "batch_sampler": None, "shuffle": None, **sampling}
+    known = {"dataset": loader.dataset, **carried, **sampling}
+    try:
+        parameters = list(inspect.signature(type(loader).__init__).parameters.values())[1:]
+    except (TypeError, ValueError) as error:
+        return None, f"its __init__ has no signature: {error}"
+    arguments: Dict[str, Any] = {}
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # passes DataLoader's arguments on
+            arguments.update((name, value) for name, value in known.items() if name not in arguments)
+            continue
+        name = parameter.name
+        if name in known:
+            arguments[name] = known[name]
+        elif hasattr(loader, name):
+            arguments[name] = getattr(loader, name)
+        elif parameter.default is inspect.Parameter.empty:
+            return None, f"its argument {name!r} is neither DataLoader's nor kept as an attribute"
+    missing = [name for name in ("sampler", "batch_sampler") if name not in arguments]
+    if missing:
+        return None, f"its __init__ takes no {' or '.join(missing)} argument"
+    try:
+        rebuilt = type(loader)(**arguments)
+    except Exception as error:  # noqa: BLE001 - whatever the class raises: fall back, and say why
+        return None, f"{type(loader).__name__}(...) raised {type(error).__name__}: {error}"
+    dealt = sampling["batch_sampler"] if sampling["batch_sampler"] is not None else sampling["sampler"]
+    holds = rebuilt.batch_sampler if sampling["batch_sampler"] is not None else rebuilt.sampler
+    if holds is not dealt:
+        return None, "it replaced the sharded sampler it was given"
+    return rebuilt, ""
 
 
 def _refuse_shares_without_a_batch(sampler: Sampler[Any], dealt: Sampler[Any], batch_size: int, world: int) -> None:

@@ -42,7 +42,8 @@ from lightning_ddp_ext.consistency import (
     report_failure,
     verify_same_sequence,
 )
-from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp, uses_default_sampler
+from lightning_ddp_ext.dataloader import _patch as _patch_dataloader
+from lightning_ddp_ext.dataloader import uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
@@ -843,7 +844,8 @@ class CustomDDP(DDPStrategy):
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
         training = stage == RunningStage.TRAINING
         try:
-            patched = self._patch(dataloader, training, overfitting=training and trainer.overfit_batches > 0)
+            overfitting = training and getattr(trainer, "overfit_batches", 0) > 0  # set by Lightning's debugging flags
+            patched = self._patch(dataloader, training, overfitting)
             if patched is not None:
                 source, length = _dealt_source(patched)
             else:
@@ -900,7 +902,8 @@ class CustomDDP(DDPStrategy):
             options.update(shuffle=None, shuffle_window=None)
         if empty:
             return dataloader
-        patched = patch_dataloader_to_ddp(dataloader, **options)
+        world, rank = options.pop("num_replicas", None), options.pop("rank", None)
+        patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False)  # the class: below
         if patched is dataloader:
             return None
         if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)

@@ -527,3 +527,93 @@ def test_numpy_options_deal_a_default_sampler_as_python_ones_do() -> None:
         return [batch.tolist() for batch in patch_dataloader_to_ddp(DataLoader(range(16), 2), 2, 0, **options)]
 
     assert share(shuffle=np.bool_(True), seed=np.int64(3)) == share(shuffle=True, seed=3) != share(shuffle=False)
+
+
+class DictBatches(DataLoader):
+    """A DataLoader subclass with an argument of its own (kept as an attribute) and an ``__iter__`` of its own."""
+
+    def __init__(self, dataset: Any, key: str = "batch", **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.key = key
+
+    def __iter__(self) -> Iterator[Any]:
+        return ({self.key: batch} for batch in super().__iter__())
+
+
+class ForgetsItsKey(DictBatches):
+    """Its required argument is not kept: it cannot be built again."""
+
+    def __init__(self, dataset: Any, secret: str, **kwargs: Any) -> None:
+        super().__init__(dataset, key=secret.upper(), **kwargs)
+
+
+class OwnOrder(DataLoader):
+    """Makes its own sampler whatever it is given: built again, it would not be sharded."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
+        kwargs.update(sampler=SequentialSampler(dataset), batch_sampler=None)
+        super().__init__(dataset, batch_size=batch_size, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["batch_sampler", "sampler", "default", "batched_sampler"])
+def test_a_dataloader_subclass_keeps_its_class_its_arguments_and_its_iter(how: str) -> None:
+    def options() -> Dict[str, Any]:  # fresh each time: a sampler's generator is consumed as it draws
+        return {
+            "batch_sampler": dict(batch_sampler=ClassBalancedBatches(30, 4)),
+            "sampler": dict(sampler=WeightedRandomSampler([1.0] * 30, 30, generator=torch.Generator().manual_seed(0)), batch_size=4),
+            "default": dict(batch_size=4, shuffle=True),
+            "batched_sampler": dict(sampler=BatchSampler(SequentialSampler(range(30)), 4, False), batch_size=None),
+        }[how]
+
+    loader = DictBatches(Squares(), key="x", collate_fn=collate_identity, **options())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rebuilt, so nothing to warn about
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)
+    plain = patch_dataloader_to_ddp(DataLoader(Squares(), collate_fn=collate_identity, **options()), num_replicas=2, rank=1)
+    assert type(patched) is DictBatches and patched.key == "x" and patched.collate_fn is collate_identity
+    assert [batch["x"] for batch in patched] == [list(batch) for batch in plain]  # the same share, its own __iter__
+
+
+@pytest.mark.parametrize(
+    "make,why",
+    [
+        (lambda: ForgetsItsKey(Squares(), "k", batch_size=4), "its argument 'secret' is neither DataLoader's nor kept as an attribute"),
+        (lambda: OwnOrder(Squares(), batch_size=4), "it replaced the sharded sampler it was given"),
+    ],
+    ids=["unrecoverable_argument", "own_sampler"],
+)
+def test_a_dataloader_subclass_that_cannot_be_built_again_becomes_a_plain_loader_with_a_warning(
+    make: Callable[[], DataLoader], why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dataloader, "_warned", set())
+    loader = make()
+    with pytest.warns(UserWarning, match=re.escape(f"could not be built again with the sharded sampler ({why})")):
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=0)
+    assert type(patched) is DataLoader and isinstance(patched.sampler, DistributedSampler)
+    assert [batch.tolist() for batch in patched] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22], [24, 26, 28]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_dataloader_stays_one_and_resumes_its_share_mid_epoch(num_workers: int) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    context = worker_context("lightning_ddp_ext", "pytest") if num_workers else None
+
+    def make() -> Any:
+        loader = stateful.StatefulDataLoader(
+            Squares(), batch_sampler=ClassBalancedBatches(30, 4), snapshot_every_n_steps=2, num_workers=num_workers,
+            multiprocessing_context=context,
+        )
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=0, shuffle=True, seed=4)
+        assert type(patched) is stateful.StatefulDataLoader and patched.snapshot_every_n_steps == 2
+        patched.batch_sampler.sampler.set_epoch(1)
+        return patched
+
+    whole = [batch.tolist() for batch in make()]
+    first = make()
+    iterator = iter(first)
+    head = [next(iterator).tolist() for _ in range(2)]
+    state = first.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [batch.tolist() for batch in resumed] == whole
