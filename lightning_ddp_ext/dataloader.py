@@ -21,7 +21,7 @@ import inspect
 import multiprocessing
 import sys
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -57,10 +57,13 @@ _OWNER = "patch_dataloader_to_ddp"
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    """Warn with ``message`` once per process; a warning turned into an error (``-W error``) is not counted."""
+def _warn_once(message: str, stacklevel: int = 4) -> None:
+    """Warn with ``message`` once per process; a warning turned into an error (``-W error``) is not counted.
+
+    ``stacklevel`` counts from here: the default points at the caller of ``patch_dataloader_to_ddp`` for a
+    warning given in ``_patch``."""
     if message not in _warned:
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
         _warned.add(message)
 
 
@@ -329,7 +332,8 @@ def _build(loader: DataLoader, carried: Dict[str, Any], keep_class: bool, **samp
             f" ({why_not}), so this rank's share is loaded by a plain DataLoader: what {cls} adds (its __iter__, its"
             f" state_dict, its own arguments) is lost. Let {cls}.__init__ take DataLoader's arguments and pass them"
             " on, keeping any argument of its own as an attribute of the same name; or build the loader yourself"
-            " around DistributedBatchSamplerWrapper / DistributedSamplerWrapper."
+            " around DistributedBatchSamplerWrapper / DistributedSamplerWrapper.",
+            stacklevel=5,  # _build is called from _patch
         )
     plain = {name: value for name, value in sampling.items() if not (name == "batch_sampler" and value is None)}
     if "batch_sampler" in plain:
@@ -343,40 +347,75 @@ def _same_class(
     """``loader``'s class built again with ``sampling``, or None and why not.
 
     Each argument of its ``__init__`` is taken from ``sampling`` and ``carried`` (DataLoader's own), else from an
-    attribute of the same name; one without either keeps its default, and a required one fails. A class that
-    does not pass the sampler on (the new loader would not be sharded) fails too."""
+    attribute of the same name; one without either keeps its default, and a required one fails. Its ``__init__``
+    runs again (as in Lightning's rebuild of loaders). The result is kept only if it holds the sharded sampler
+    and, but for the sampling, the same attributes as ``loader``: an argument the class stores under another
+    name, transforms, or never sees (set on the loader afterwards) would otherwise change silently.
+    """
+    cls = type(loader)
     sampling = {"sampler": None, "batch_sampler": None, "shuffle": None, **sampling}
     known = {"dataset": loader.dataset, **carried, **sampling}
     try:
-        parameters = list(inspect.signature(type(loader).__init__).parameters.values())[1:]
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError) as error:
         return None, f"its __init__ has no signature: {error}"
-    arguments: Dict[str, Any] = {}
+    positional: List[Any] = []
+    keywords: Dict[str, Any] = {}
     for parameter in parameters:
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # passes DataLoader's arguments on
-            arguments.update((name, value) for name, value in known.items() if name not in arguments)
+            keywords.update((name, value) for name, value in known.items() if name not in keywords)
             continue
         name = parameter.name
         if name in known:
-            arguments[name] = known[name]
+            value = known[name]
         elif hasattr(loader, name):
-            arguments[name] = getattr(loader, name)
-        elif parameter.default is inspect.Parameter.empty:
+            value = getattr(loader, name)
+        elif parameter.default is not inspect.Parameter.empty:
+            if parameter.kind is not inspect.Parameter.POSITIONAL_ONLY:
+                continue
+            value = parameter.default
+        else:
             return None, f"its argument {name!r} is neither DataLoader's nor kept as an attribute"
-    missing = [name for name in ("sampler", "batch_sampler") if name not in arguments]
-    if missing:
-        return None, f"its __init__ takes no {' or '.join(missing)} argument"
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        else:
+            keywords[name] = value
+    needed = [name for name in ("sampler", "batch_sampler") if sampling[name] is not None and name not in keywords]
+    if needed:
+        return None, f"its __init__ takes no {needed[0]} argument"
     try:
-        rebuilt = type(loader)(**arguments)
+        rebuilt = cls(*positional, **keywords)
     except Exception as error:  # noqa: BLE001 - whatever the class raises: fall back, and say why
-        return None, f"{type(loader).__name__}(...) raised {type(error).__name__}: {error}"
-    dealt = sampling["batch_sampler"] if sampling["batch_sampler"] is not None else sampling["sampler"]
-    holds = rebuilt.batch_sampler if sampling["batch_sampler"] is not None else rebuilt.sampler
-    if holds is not dealt:
+        return None, f"{cls.__name__}(...) raised {type(error).__name__}: {error}"
+    batched = sampling["batch_sampler"] is not None
+    kind = "batch_sampler" if batched else "sampler"
+    if getattr(rebuilt, kind) is not sampling[kind]:
         return None, "it replaced the sharded sampler it was given"
+    expected = {"batch_size": None if batched else sampling.get("batch_size", 1)}
+    expected["drop_last"] = False if batched else sampling.get("drop_last", False)
+    original = {**vars(loader), **expected}
+    for name, value in original.items():
+        if name not in _REBUILT_MAY_DIFFER and not _same_value(vars(rebuilt).get(name, _MISSING), value):
+            return None, f"built again, its attribute {name!r} differs from the loader's"
     return rebuilt, ""
+
+
+#: Attributes of a rebuilt loader that differ from the original's by design: the sharded sampling, and an
+#: iterator the original may keep (persistent workers).
+_REBUILT_MAY_DIFFER = {"sampler", "batch_sampler", "_iterator"}
+_MISSING = object()
+
+
+def _same_value(first: Any, second: Any) -> bool:
+    """Whether two attribute values are the same object, or equal values of one type (arrays: only the same)."""
+    if first is second:
+        return True
+    try:
+        return type(first) is type(second) and bool(first == second)
+    except Exception:  # noqa: BLE001 - an ambiguous comparison (tensors, arrays) means "not known to be equal"
+        return False
 
 
 def _refuse_shares_without_a_batch(sampler: Sampler[Any], dealt: Sampler[Any], batch_size: int, world: int) -> None:

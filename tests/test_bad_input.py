@@ -265,8 +265,9 @@ class _StreamThatShardsItself(IterableDataset):
 def test_iterable_dataset_loader_is_returned_unchanged_with_a_warning() -> None:
     loader = DataLoader(_StreamThatShardsItself(), batch_size=2)
     message = "_StreamThatShardsItself is an IterableDataset; the loader is returned unchanged"
-    with pytest.warns(UserWarning, match=message):
+    with pytest.warns(UserWarning, match=message) as record:
         assert patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0) is loader
+    assert [warning.filename for warning in record] == [__file__]  # it points at the call, not into the package
 
 
 def test_loader_without_a_dataset_is_refused_by_name() -> None:

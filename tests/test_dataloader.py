@@ -574,23 +574,57 @@ def test_a_dataloader_subclass_keeps_its_class_its_arguments_and_its_iter(how: s
     assert [batch["x"] for batch in patched] == [list(batch) for batch in plain]  # the same share, its own __iter__
 
 
+class Doubling(DataLoader):
+    """Transforms a DataLoader argument on its way: built again from the result, it would double it again."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=2 * batch_size, **kwargs)
+
+
+class Scaled(DataLoader):
+    """Keeps its own argument under another name: built again, it would fall back to its default."""
+
+    def __init__(self, dataset: Any, scale: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.factor = scale
+
+
+class Fixed(DataLoader):
+    """Takes only some of DataLoader's arguments: what is set on it afterwards would be lost."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, sampler: Any = None) -> None:
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def _fixed_with_a_late_collate() -> DataLoader:
+    loader = Fixed(Squares(), batch_size=4)
+    loader.collate_fn = collate_identity
+    return loader
+
+
 @pytest.mark.parametrize(
     "make,why",
     [
         (lambda: ForgetsItsKey(Squares(), "k", batch_size=4), "its argument 'secret' is neither DataLoader's nor kept as an attribute"),
         (lambda: OwnOrder(Squares(), batch_size=4), "it replaced the sharded sampler it was given"),
+        (lambda: Doubling(Squares(), batch_size=2), "built again, its attribute 'batch_size' differs from the loader's"),
+        (lambda: Scaled(Squares(), scale=10.0, batch_size=4), "built again, its attribute 'factor' differs from the loader's"),
+        (_fixed_with_a_late_collate, "built again, its attribute 'collate_fn' differs from the loader's"),
     ],
-    ids=["unrecoverable_argument", "own_sampler"],
+    ids=["unrecoverable_argument", "own_sampler", "transformed_argument", "renamed_argument", "set_afterwards"],
 )
 def test_a_dataloader_subclass_that_cannot_be_built_again_becomes_a_plain_loader_with_a_warning(
     make: Callable[[], DataLoader], why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(dataloader, "_warned", set())
     loader = make()
-    with pytest.warns(UserWarning, match=re.escape(f"could not be built again with the sharded sampler ({why})")):
+    with pytest.warns(UserWarning, match=re.escape(f"could not be built again with the sharded sampler ({why})")) as record:
         patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=0)
+    assert [warning.filename for warning in record] == [__file__]  # it points at the call, not into the package
     assert type(patched) is DataLoader and isinstance(patched.sampler, DistributedSampler)
-    assert [batch.tolist() for batch in patched] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22], [24, 26, 28]]
+    assert patched.collate_fn is loader.collate_fn  # the plain loader keeps what DataLoader's arguments say
+    batches = [batch.tolist() if isinstance(batch, torch.Tensor) else list(batch) for batch in patched]
+    assert batches == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22], [24, 26, 28]]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
