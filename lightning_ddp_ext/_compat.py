@@ -124,27 +124,33 @@ def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int, seen_at_start:
     None when that is not known: inside a batch (its count is not updated yet), or with a step that takes the
     ``dataloader_iter`` (it may read any number of batches per step). ``seen_at_start``: what
     :func:`seen_evaluation_batches` said when this run started. The sanity check runs
-    ``trainer.num_sanity_val_batches`` of each loader. Under a non-sequential ``CombinedLoader`` the count may
-    exceed what a loader that ran out yielded: cap it by that.
+    ``trainer.num_sanity_val_batches`` of each loader.
+
+    A ``CombinedLoader`` in mode "max_size" or "min_size" steps all its loaders together (a limit only shortens
+    the run), and the loop counts those steps under loader 0 alone, and not in the sanity check: every loader
+    is then counted the run's steps, which the caller caps by what the loader yielded (in "max_size" a shorter
+    loader runs out first).
     """
     stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
     loop = _running_loop(trainer, stage)
     if inside_evaluation_batch(trainer) or isinstance(getattr(loop, "_data_fetcher", None), _DataLoaderIterDataFetcher):
         return None
+    if evaluation_combine_mode(trainer) not in (None, "sequential"):
+        return int(loop.batch_progress.current.completed)  # this run's steps, sanity check included
     if trainer.sanity_checking:
         planned = trainer.num_sanity_val_batches
         count = planned[dataloader_idx] if 0 <= dataloader_idx < len(planned) else None
         return int(count) if isinstance(count, int) or (isinstance(count, float) and count.is_integer()) else None
     seen = seen_evaluation_batches(trainer)
-    if getattr(loop, "_is_sequential", True):
-        return seen.get(dataloader_idx, 0) - seen_at_start.get(dataloader_idx, 0)
-    # A CombinedLoader in mode "max_size" or "min_size" steps its loaders together and the loop counts every
-    # step under index 0. A loader stops at its own limit (limit_*_batches) or, in "max_size", when it runs out:
-    # the limit is applied here, running out by the caller (a loader cannot have yielded more than it has).
-    steps = seen.get(0, 0) - seen_at_start.get(0, 0)
-    limits = loop.max_batches
-    limit = limits[dataloader_idx] if 0 <= dataloader_idx < len(limits) else steps
-    return int(min(steps, limit))
+    return seen.get(dataloader_idx, 0) - seen_at_start.get(dataloader_idx, 0)
+
+
+def evaluation_combine_mode(trainer: "pl.Trainer") -> Optional[str]:
+    """The mode of the running validation or test loop's ``CombinedLoader`` ("sequential" for plain loaders, which
+    Lightning combines that way), or None when it has none."""
+    stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
+    combined = getattr(_running_loop(trainer, stage), "_combined_loader", None)
+    return getattr(combined, "_mode", None)
 
 
 def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:

@@ -1177,6 +1177,13 @@ class CustomDDP(DDPStrategy):
         The strategy dealt them, so a LightningModule needs no index bookkeeping of its own: outputs
         collected in ``validation_step`` line up with these indices (the first ``len(outputs)`` of them).
         """
+        trainer = self._attached_trainer
+        if trainer is not None and _compat.evaluation_combine_mode(trainer) == "max_size_cycle":
+            raise RuntimeError(
+                "evaluated_indices() and gather_in_order() cannot follow an evaluation CombinedLoader in mode"
+                " 'max_size_cycle': its shorter loaders start over within the run, so their samples repeat and the"
+                " earlier rounds are not kept. Use mode 'max_size' (a loader that ran out gives None) or 'sequential'."
+            )
         loader = self._evaluation_loader(dataloader_idx)
         wrapper = _wrapper_of(loader)
         if wrapper is not None:

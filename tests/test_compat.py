@@ -128,9 +128,11 @@ def test_training_iterator_made_again_as_the_fit_loop_makes_it() -> None:
     assert _compat.can_restart_training_iterator(trainer) is False  # not set up: there is no iterator to make again
 
 
-def test_evaluation_loop_knows_its_mode_and_limits() -> None:
+def test_evaluation_loop_knows_its_combined_loader_and_progress() -> None:
     """`evaluated_batches` reads them for a CombinedLoader that steps its loaders together (mode "max_size")."""
     from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+    from lightning.pytorch.utilities import CombinedLoader
 
-    for name in ("_is_sequential", "max_batches"):
-        assert isinstance(inspect.getattr_static(_EvaluationLoop, name), property), name
+    init = inspect.getsource(_EvaluationLoop.__init__)
+    assert "self._combined_loader" in init and "self.batch_progress = _BatchProgress()" in init
+    assert CombinedLoader([[0]], mode="max_size")._mode == "max_size"

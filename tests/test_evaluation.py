@@ -97,7 +97,7 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
 
 class CombinedEmbedder(Embedder):
     """Validates a non-sequential CombinedLoader: every step holds a batch of each loader (None once one ran out).
-    Also writes which samples each loader's steps saw."""
+    Also writes which samples each loader's steps saw, and trains (for a fit's sanity check)."""
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.seen = getattr(self, "seen", {str(idx): [] for idx in range(len(batch))})
@@ -110,20 +110,45 @@ class CombinedEmbedder(Embedder):
         super().on_validation_epoch_end()
         Path(self.out_dir, f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
 
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
 
-@pytest.mark.parametrize("mode", ["max_size", "min_size"])
-def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(tmp_path: Path, mode: str) -> None:
-    """Lightning counts such steps under loader 0 only; each loader's own count must still check and gather its
-    values: all of every loader in "max_size" (the shorter ones run out first), as far as the shortest went in
-    "min_size"."""
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(
+    "mode,run",
+    [("max_size", "whole"), ("min_size", "whole"), ("max_size", "limited"), ("min_size", "sanity"), ("max_size_cycle", "whole")],
+)
+def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(
+    tmp_path: Path, mode: str, run: str
+) -> None:
+    """Lightning counts such steps under loader 0 only (and not at all in the sanity check), and a limit only
+    shortens the run; each loader's own count must still check and gather its values: all of every loader in
+    "max_size" (the shorter ones run out first), as far as the shortest went in "min_size". "max_size_cycle"
+    repeats the shorter loaders: refused by name."""
     model = CombinedEmbedder(str(tmp_path))
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
-    trainer.validate(model, CombinedLoader(loaders(), mode=mode))
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT)
+    combined = CombinedLoader(loaders(), mode=mode)
+    if mode == "max_size_cycle":
+        with pytest.raises(Exception, match="cannot follow an evaluation CombinedLoader in mode 'max_size_cycle'"):
+            pl.Trainer(strategy=strategy, **trainer_kwargs()).validate(model, combined)
+        return
+    if run == "sanity":  # only the sanity check validates: 5 steps, as far as the shortest share (not 6)
+        options = dict(max_epochs=1, limit_train_batches=1, num_sanity_val_steps=6, check_val_every_n_epoch=2)
+        pl.Trainer(strategy=strategy, **trainer_kwargs(**options)).fit(model, loaders()[0], combined)
+    else:  # "limited": limits 3, 2 and 3 batches, but the loaders step together for 3 steps
+        limit = 0.5 if run == "limited" else 1.0
+        pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=limit)).validate(model, combined)
     reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     seen = [json.loads(Path(tmp_path, f"seen{r}.json").read_text()) for r in range(2)]
     for idx in ("0", "1", "2"):
         evaluated = sorted(set(seen[0][idx] + seen[1][idx]))
-        assert (evaluated == list(range(SIZE))) == (mode == "max_size" or idx == "1"), idx  # 5 of 6 batches else
+        if run == "whole":  # "min_size": 5 steps, all of loader 1's 9 batches, 5 of 6 of the others'
+            assert (evaluated == list(range(SIZE))) == (mode == "max_size" or idx == "1"), idx
+        else:
+            assert 0 < len(evaluated) <= SIZE, idx
         with torch.no_grad():
             expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
         for report in reports:
