@@ -314,7 +314,7 @@ def _patch(
         return build(batch_size=None, sampler=new_sampler)
     batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last  # type: ignore[attr-defined]
     if drop_last:
-        _refuse_shares_without_a_batch(sampler, new_sampler, batch_size, world)
+        _refuse_shares_without_a_batch(sampler, new_sampler, batch_size, world, wrapper_kwargs.get("pad", True))
     return build(batch_size=batch_size, drop_last=drop_last, sampler=new_sampler)
 
 
@@ -418,19 +418,27 @@ def _same_value(first: Any, second: Any) -> bool:
         return False
 
 
-def _refuse_shares_without_a_batch(sampler: Sampler[Any], dealt: Sampler[Any], batch_size: int, world: int) -> None:
+def _refuse_shares_without_a_batch(
+    sampler: Sampler[Any], dealt: Sampler[Any], batch_size: int, world: int, pad: bool
+) -> None:
     """Raise, on every rank alike, when ``drop_last`` batching of the dealt shares leaves a rank with no batch
     although the single-process loader had one: that rank would train or evaluate nothing, silently (or, if
-    only some ranks are left without, the others would wait for it in their collectives)."""
+    only some ranks are left without, the others would wait for it in their collectives). Also under
+    ``CustomDDP``, whose options the message names too."""
     items = len(sampler)  # type: ignore[arg-type]
     uneven = isinstance(dealt, DistributedSamplerWrapper) and not dealt.even_shares
     fewest = items // world if uneven else len(dealt)  # type: ignore[arg-type]
     if fewest >= batch_size or items < batch_size:
         return
     who = f"rank {world - 1}" if uneven else "every rank"
+    fixes = ["a smaller batch_size", "drop_last=False", "fewer ranks"]
+    if -(-items // world) >= batch_size:  # padded even shares would hold a batch
+        if uneven:
+            fixes.append("even shares (even_shares=True; with CustomDDP, eval_mode='pad')")
+        elif not pad:
+            fixes.append("padded shares (pad=True; with CustomDDP, pad_to_world_size=True)")
     raise ValueError(
-        f"{_OWNER}: batch_size={batch_size} with drop_last=True leaves {who} without a batch: the"
-        f" {items} samples of {type(sampler).__name__} dealt among {world} ranks give {who} {fewest}, and"
-        f" drop_last drops an incomplete batch (a single process had {items // batch_size}). Use a smaller"
-        " batch_size, drop_last=False, or fewer ranks."
+        f"DataLoader(batch_size={batch_size}, drop_last=True) leaves {who} without a batch: the {items} samples of"
+        f" {type(sampler).__name__} dealt among {world} ranks give {who} {fewest}, and drop_last drops an incomplete"
+        f" batch (a single process had {items // batch_size}). Use {', '.join(fixes[:-1])} or {fixes[-1]}."
     )

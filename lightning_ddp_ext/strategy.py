@@ -882,17 +882,12 @@ class CustomDDP(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             return None
         options = self.sharding_options(training)
-        if overfitting and options.get("shuffle"):
-            # overfit_batches trains the same batches every epoch: Lightning turns a loader's own shuffling off
-            # (and warns), so the batch shuffle goes off too, or each epoch would overfit other batches.
-            options["shuffle"] = False
-            rank_zero_warn(
-                f"{type(self).__name__}: overfit_batches is set, so the training loaders' batches are dealt without"
-                " shuffle_batches_between_ranks (every epoch trains on the same batches, as Lightning turns a"
-                " loader's own shuffling off).",
-                category=UserWarning,
-            )
         default = uses_default_sampler(dataloader)
+        # overfit_batches trains the same batches every epoch: Lightning turns a loader's own shuffling off (and
+        # warns), so the batch shuffle of a custom sampler goes off too, or each epoch would overfit other batches.
+        unshuffled_for_overfitting = overfitting and not default and bool(options.get("shuffle"))
+        if unshuffled_for_overfitting:
+            options["shuffle"] = False
         # An empty split under a plain loader has nothing to deal: 0 batches, and Lightning's warning, as with
         # "ddp". It still takes part in the length check, which fails on every rank if others are not empty.
         empty = default and len(dataloader.dataset) == 0  # type: ignore[arg-type]
@@ -906,6 +901,13 @@ class CustomDDP(DDPStrategy):
         patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False)  # the class: below
         if patched is dataloader:
             return None
+        if unshuffled_for_overfitting:
+            rank_zero_warn(
+                f"{type(self).__name__}: overfit_batches is set, so this training loader's batches are dealt without"
+                " shuffle_batches_between_ranks (every epoch trains on the same batches, as Lightning turns a"
+                " loader's own shuffling off).",
+                category=UserWarning,
+            )
         if type(dataloader) is not DataLoader:  # a subclass: keep its class (its __iter__, its arguments)
             patched = _compat.rebuild_dataloader(dataloader, patched)
         return patched

@@ -416,9 +416,15 @@ def test_drop_last_leaving_ranks_without_a_batch_is_refused(uneven: bool) -> Non
     for sampler in (None, WeightedRandomSampler([1.0] * 5, 5, generator=torch.Generator().manual_seed(0))):
         loader = DataLoader(range(5), batch_size=4, drop_last=True, sampler=sampler)
         for rank in range(2):
-            with pytest.raises(ValueError, match=f"drop_last=True leaves {who} without a batch: the 5 samples"):
+            with pytest.raises(ValueError, match=f"drop_last=True\\) leaves {who} without a batch: the 5 samples"):
                 patch_dataloader_to_ddp(loader, num_replicas=2, rank=rank, **options)
     # Left alone: a batch per rank survives, or the loader had none to begin with, or drop_last is off.
     assert len(patch_dataloader_to_ddp(DataLoader(range(8), batch_size=4, drop_last=True), 2, 0, **options)) == 1
     assert len(patch_dataloader_to_ddp(DataLoader(range(3), batch_size=4, drop_last=True), 2, 0, **options)) == 0
     assert len(patch_dataloader_to_ddp(DataLoader(range(5), batch_size=4), 2, 1, **options)) == 1
+    # 7 samples: shares of 3 and 4 uneven or unpadded, of 4 padded: the error names the option that helps.
+    fix = "even shares (even_shares=True; with CustomDDP, eval_mode='pad')" if uneven else (
+        "padded shares (pad=True; with CustomDDP, pad_to_world_size=True)"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"Use a smaller batch_size, drop_last=False, fewer ranks or {fix}.")):
+        patch_dataloader_to_ddp(DataLoader(range(7), batch_size=4, drop_last=True), 2, 0, **options, pad=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -595,7 +596,7 @@ def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_sh
     """overfit_batches trains on the same batches every epoch (Lightning turns a loader's own shuffling off):
     the batch shuffle of a custom sampler goes off too, with a warning, instead of overfitting other batches."""
 
-    def epochs(**trainer_options: Any) -> List[List[int]]:
+    def epochs(default_sampler: bool = False, **trainer_options: Any) -> List[List[int]]:
         model = OrderRecorder()
         with single_rank_in_this_process(free_port()):
             trainer = pl.Trainer(
@@ -603,14 +604,20 @@ def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_sh
                 **trainer_kwargs(devices=1, max_epochs=3, **trainer_options),
             )
             data = TensorDataset(torch.arange(12.0).unsqueeze(1))
-            trainer.fit(model, DataLoader(data, batch_sampler=[[2 * i, 2 * i + 1] for i in range(6)]))
+            sampling = dict(batch_size=2) if default_sampler else dict(batch_sampler=[[2 * i, 2 * i + 1] for i in range(6)])
+            trainer.fit(model, DataLoader(data, **sampling))  # type: ignore[arg-type]
         return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
 
-    with pytest.warns(UserWarning, match="overfit_batches is set, so the training loaders' batches are dealt without"):
+    message = "overfit_batches is set, so this training loader's batches are dealt without"
+    with pytest.warns(UserWarning, match=message):
         overfit = epochs(overfit_batches=1)
     assert overfit == [[0, 1]] * 3, overfit  # the sampler's first batch, as without the strategy
     shuffled = epochs(limit_train_batches=1)
     assert len({tuple(batch) for batch in shuffled}) > 1, shuffled  # the shuffle itself is still on otherwise
+    with warnings.catch_warnings(record=True) as record:  # the batch shuffle never applied to a default sampler
+        warnings.simplefilter("always")
+        assert epochs(default_sampler=True, overfit_batches=1) == [[0, 1]] * 3
+    assert not [w for w in record if message in str(w.message)]
 
 
 class SeededPerRank(Recorder):
