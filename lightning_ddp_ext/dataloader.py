@@ -110,13 +110,33 @@ def is_sharded(loader: DataLoader) -> bool:
     return any(isinstance(candidate, sharded) for candidate in candidates)
 
 
+_TORCHDATA_SAMPLERS = "torchdata.stateful_dataloader.sampler"
+
+
+def _is_plain(item: Any, torch_class: type) -> bool:
+    """Whether ``item`` is exactly torch's ``torch_class`` (``BatchSampler``, ``RandomSampler``) or torchdata's
+    stateful copy of it, which a ``StatefulDataLoader`` makes in its place and which draws the same way. A
+    subclass of either may draw otherwise: not plain. (torchdata is only looked up where it is imported.)"""
+    if type(item) is torch_class:
+        return True
+    stateful = sys.modules.get(_TORCHDATA_SAMPLERS)
+    return stateful is not None and type(item) is getattr(stateful, torch_class.__name__, None)
+
+
+def _is_random_permutation(sampler: Any) -> bool:
+    """A default ``RandomSampler`` (torch's or torchdata's), whatever it draws from."""
+    return _is_plain(sampler, RandomSampler)
+
+
 def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
     """Samplers that DistributedSampler reproduces exactly: sequential, or a plain permutation, over the
     loader's own dataset (one over another data source draws other indices: it is wrapped like a custom one)."""
     if type(sampler) is SequentialSampler:
         return sampler.data_source is dataset
-    if type(sampler) is RandomSampler:
-        return sampler.data_source is dataset and not sampler.replacement and sampler.num_samples == len(dataset)
+    if _is_random_permutation(sampler):
+        permutation: Any = sampler
+        plain = not permutation.replacement and permutation.num_samples == len(dataset)
+        return permutation.data_source is dataset and plain
     return False
 
 
@@ -132,16 +152,16 @@ def _check_options(options: Dict[str, Any]) -> None:
 
 
 def _plainly_batched_sampler(loader: DataLoader) -> Optional[Sampler[Any]]:
-    """The index sampler of a loader batched by torch's plain ``BatchSampler`` (or not batched at all); None when
-    a batch sampler of another kind makes the batches.
+    """The index sampler of a loader batched by torch's plain ``BatchSampler`` (or torchdata's copy of it, or not
+    batched at all); None when a batch sampler of another kind makes the batches.
 
     With ``DataLoader(batch_sampler=BatchSampler(...))``, ``loader.sampler`` is a default SequentialSampler: the
     batch sampler's own sampler is the one that draws."""
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:
         return loader.sampler  # type: ignore[return-value]
-    if type(batch_sampler) is BatchSampler:
-        return batch_sampler.sampler  # type: ignore[return-value]
+    if _is_plain(batch_sampler, BatchSampler):
+        return batch_sampler.sampler  # type: ignore[attr-defined,no-any-return]
     return None
 
 
@@ -165,7 +185,7 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
     if size == 0:
         raise _nothing_to_deal(type(dataset).__name__, world)
     shuffle = wrapper_kwargs.get("shuffle")
-    shuffle = type(sampler) is RandomSampler if shuffle is None else bool(shuffle)
+    shuffle = _is_random_permutation(sampler) if shuffle is None else bool(shuffle)
     if wrapper_kwargs.get("shuffle_window") is not None or not wrapper_kwargs.get("even_shares", True):
         return DistributedSamplerWrapper(SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffle))
     if not pad and size < world:

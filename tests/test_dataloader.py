@@ -628,21 +628,31 @@ def test_a_dataloader_subclass_that_cannot_be_built_again_becomes_a_plain_loader
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_stateful_dataloader_stays_one_and_resumes_its_share_mid_epoch(num_workers: int) -> None:
+@pytest.mark.parametrize("sampling", ["custom_batches", "default_shuffled"])
+def test_a_stateful_dataloader_stays_one_and_resumes_its_share_mid_epoch(num_workers: int, sampling: str) -> None:
+    """Its own RandomSampler and BatchSampler (which it makes for shuffle=True) are defaults, dealt by a seeded
+    DistributedSampler: taken for custom ones, each rank's unseeded permutation would overlap the others'."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     context = worker_context("lightning_ddp_ext", "pytest") if num_workers else None
+    options: Dict[str, Any] = (
+        dict(batch_sampler=ClassBalancedBatches(30, 4)) if sampling == "custom_batches" else dict(batch_size=4, shuffle=True)
+    )
 
-    def make() -> Any:
+    def make(rank: int = 0) -> Any:
         loader = stateful.StatefulDataLoader(
-            Squares(), batch_sampler=ClassBalancedBatches(30, 4), snapshot_every_n_steps=2, num_workers=num_workers,
-            multiprocessing_context=context,
+            Squares(), snapshot_every_n_steps=2, num_workers=num_workers, multiprocessing_context=context, **options
         )
-        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=0, shuffle=True, seed=4)
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=rank, shuffle=True, seed=4)
         assert type(patched) is stateful.StatefulDataLoader and patched.snapshot_every_n_steps == 2
+        if sampling == "default_shuffled":
+            assert type(patched.sampler) is DistributedSampler
         patched.batch_sampler.sampler.set_epoch(1)
         return patched
 
     whole = [batch.tolist() for batch in make()]
+    if sampling == "default_shuffled":  # the two shares partition the dataset (pad: none needed, 30 = 2 x 15)
+        other = [i for batch in make(rank=1) for i in batch.tolist()]
+        assert sorted([i for batch in whole for i in batch] + other) == list(range(30))
     first = make()
     iterator = iter(first)
     head = [next(iterator).tolist() for _ in range(2)]
