@@ -178,9 +178,10 @@ def inside_evaluation_batch(trainer: "pl.Trainer") -> bool:
 def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
     """``original``'s own class, built again with the sampling arguments of ``sharded``.
 
-    For DataLoader subclasses (an ``__iter__`` of their own, extra arguments): ``patch_dataloader_to_ddp``
-    builds a plain DataLoader. The constructor arguments come from Lightning's capture of them (loaders made in
-    a ``*_dataloader`` hook) or from the instance's attributes, as in Lightning's own sampler replacement;
+    For DataLoader subclasses (an ``__iter__`` of their own, extra arguments), which the strategy has the
+    dataloader module build as a plain DataLoader first. The constructor arguments come from Lightning's capture
+    of them (loaders made in a ``*_dataloader`` hook) or from the instance's attributes, as in Lightning's own
+    sampler replacement;
     the sampler or batch sampler is the one ``sharded`` holds. Lightning's resolution of the sampler arguments
     is given a copy without a batch sampler, so it never re-instantiates the user's batch sampler.
 
