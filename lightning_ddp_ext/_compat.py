@@ -10,7 +10,7 @@ import copy
 import inspect
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -108,41 +108,51 @@ def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
     return [] if combined is None else list(combined.flattened)
 
 
-def seen_evaluation_batches(trainer: "pl.Trainer") -> Dict[int, int]:
-    """Batches per loader the running validation or test loop has counted since it set its loaders up.
+class EvaluationCounts(NamedTuple):
+    """What the running validation or test loop has counted: batches per loader (its own count, summed over a
+    fit's validation runs, not in the sanity check) and completed steps of this run (restored on a restart)."""
 
-    The loop counts a batch once its batch-end hooks ran, and not in the sanity check. It resets the counts
-    only when it sets up its loaders, so within a fit they add up over validation runs: read them at a run's
-    start and subtract (see :func:`evaluated_batches`).
-    """
+    per_loader: Dict[int, int]
+    steps: int
+
+
+NO_COUNTS = EvaluationCounts({}, 0)
+
+
+def evaluation_counts(trainer: "pl.Trainer") -> EvaluationCounts:
+    """The running validation or test loop's counts now. Read at a run's start (after the loop's reset) and
+    subtracted by :func:`evaluated_batches`: neither count starts at 0 with every run."""
     stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
-    return dict(getattr(_running_loop(trainer, stage), "_seen_batches_per_dataloader", None) or {})
+    loop = _running_loop(trainer, stage)
+    per_loader = dict(getattr(loop, "_seen_batches_per_dataloader", None) or {})
+    return EvaluationCounts(per_loader, int(loop.batch_progress.current.completed))
 
 
-def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int, seen_at_start: Dict[int, int]) -> Optional[int]:
+def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int, at_start: EvaluationCounts) -> Optional[int]:
     """How many batches of evaluation loader ``dataloader_idx`` the running validation or test has finished, or
     None when that is not known: inside a batch (its count is not updated yet), or with a step that takes the
-    ``dataloader_iter`` (it may read any number of batches per step). ``seen_at_start``: what
-    :func:`seen_evaluation_batches` said when this run started. The sanity check runs
+    ``dataloader_iter`` (it may read any number of batches per step). ``at_start``: what
+    :func:`evaluation_counts` said when this run started. The sanity check runs
     ``trainer.num_sanity_val_batches`` of each loader.
 
     A ``CombinedLoader`` in mode "max_size" or "min_size" steps all its loaders together (a limit only shortens
     the run), and the loop counts those steps under loader 0 alone, and not in the sanity check: every loader
     is then counted the run's steps, which the caller caps by what the loader yielded (in "max_size" a shorter
-    loader runs out first).
+    loader runs out first). A run resumed inside validation starts with the steps done before the checkpoint
+    counted, and runs only the rest: they are subtracted.
     """
     stage = RunningStage.TESTING if trainer.testing else RunningStage.VALIDATING
     loop = _running_loop(trainer, stage)
     if inside_evaluation_batch(trainer) or isinstance(getattr(loop, "_data_fetcher", None), _DataLoaderIterDataFetcher):
         return None
+    now = evaluation_counts(trainer)
     if evaluation_combine_mode(trainer) not in (None, "sequential"):
-        return int(loop.batch_progress.current.completed)  # this run's steps, sanity check included
+        return now.steps - at_start.steps
     if trainer.sanity_checking:
         planned = trainer.num_sanity_val_batches
         count = planned[dataloader_idx] if 0 <= dataloader_idx < len(planned) else None
         return int(count) if isinstance(count, int) or (isinstance(count, float) and count.is_integer()) else None
-    seen = seen_evaluation_batches(trainer)
-    return seen.get(dataloader_idx, 0) - seen_at_start.get(dataloader_idx, 0)
+    return now.per_loader.get(dataloader_idx, 0) - at_start.per_loader.get(dataloader_idx, 0)
 
 
 def evaluation_combine_mode(trainer: "pl.Trainer") -> Optional[str]:

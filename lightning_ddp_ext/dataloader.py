@@ -351,7 +351,8 @@ def _build(loader: DataLoader, carried: Dict[str, Any], keep_class: bool, **samp
             f"{_OWNER}: {cls} is a DataLoader subclass but could not be built again with the sharded sampler"
             f" ({why_not}), so this rank's share is loaded by a plain DataLoader: what {cls} adds (its __iter__, its"
             f" state_dict, its own arguments) is lost. Let {cls}.__init__ take DataLoader's arguments and pass them"
-            " on, keeping any argument of its own as an attribute of the same name; or build the loader yourself"
+            " on, keeping any argument of its own as an attribute of the same name (and load a state, such as a"
+            " StatefulDataLoader's, into the patched loader, not before patching); or build the loader yourself"
             " around DistributedBatchSamplerWrapper / DistributedSamplerWrapper.",
             stacklevel=5,  # _build is called from _patch
         )
@@ -417,14 +418,20 @@ def _same_class(
     expected["drop_last"] = False if batched else sampling.get("drop_last", False)
     original = {**vars(loader), **expected}
     for name, value in original.items():
-        if name not in _REBUILT_MAY_DIFFER and not _same_value(vars(rebuilt).get(name, _MISSING), value):
+        if name in _REBUILT_MAY_DIFFER or name.startswith(_BOOKKEEPING):
+            continue
+        if not _same_value(vars(rebuilt).get(name, _MISSING), value):
             return None, f"built again, its attribute {name!r} differs from the loader's"
     return rebuilt, ""
 
 
-#: Attributes of a rebuilt loader that differ from the original's by design: the sharded sampling, and an
-#: iterator the original may keep (persistent workers).
-_REBUILT_MAY_DIFFER = {"sampler", "batch_sampler", "_iterator"}
+#: Attributes of a rebuilt loader that differ from the original's by design: the sharded sampling (``shuffle``
+#: where a subclass keeps it: the sharded sampler decides now), and an iterator the original may keep (persistent
+#: workers).
+_REBUILT_MAY_DIFFER = {"sampler", "batch_sampler", "shuffle", "_iterator"}
+#: Names set from outside the class, as frameworks do: Lightning records how a loader made in a ``*_dataloader``
+#: hook was constructed under ``__pl_*`` and ``__dataset`` (a class's own ``__name`` is stored as ``_Class__name``).
+_BOOKKEEPING = "__"
 _MISSING = object()
 
 

@@ -42,6 +42,7 @@ from lightning_ddp_ext.consistency import (
     report_failure,
     verify_same_sequence,
 )
+from lightning_ddp_ext.dataloader import _is_plain
 from lightning_ddp_ext.dataloader import _patch as _patch_dataloader
 from lightning_ddp_ext.dataloader import uses_default_sampler
 from lightning_ddp_ext.samplers import (
@@ -185,10 +186,11 @@ def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
 
 
 def _index_sampler(loader: object) -> object:
-    """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler``, whether made from
-    ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else ``loader.sampler``."""
+    """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler`` (or torchdata's
+    copy), whether made from ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else ``loader.sampler``."""
     batching = getattr(loader, "batch_sampler", None)
-    return batching.sampler if type(batching) is BatchSampler else getattr(loader, "sampler", None)
+    plain = batching is not None and _is_plain(batching, BatchSampler)
+    return batching.sampler if plain else getattr(loader, "sampler", None)  # type: ignore[union-attr]
 
 
 def _wrapper_of(loader: object) -> Optional[_Wrapper]:
@@ -314,7 +316,7 @@ class CustomDDP(DDPStrategy):
         self._replace_samplers = True
         self._said_no_replacement = False
         self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
-        self._seen_at_start: Dict[int, int] = {}  # the evaluation loop's batch counts when the run started
+        self._counts_at_start = _compat.NO_COUNTS  # the evaluation loop's counts when the run started
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
@@ -1133,18 +1135,18 @@ class CustomDDP(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._evaluating = True
-        self._seen_at_start = self._seen_evaluation_batches()
+        self._counts_at_start = self._evaluation_counts()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
         self._evaluating = True
-        self._seen_at_start = self._seen_evaluation_batches()
+        self._counts_at_start = self._evaluation_counts()
         super().on_test_start()
 
-    def _seen_evaluation_batches(self) -> Dict[int, int]:
+    def _evaluation_counts(self) -> _compat.EvaluationCounts:
         trainer = self._attached_trainer
-        return {} if trainer is None else _compat.seen_evaluation_batches(trainer)
+        return _compat.NO_COUNTS if trainer is None else _compat.evaluation_counts(trainer)
 
     @override
     def on_validation_end(self) -> None:
@@ -1240,7 +1242,7 @@ class CustomDDP(DDPStrategy):
         """How many samples, padding included, the batches of loader ``dataloader_idx`` evaluated so far in this
         run hold; None inside a batch or where the loader's batches are not known."""
         trainer = self._attached_trainer
-        batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx, self._seen_at_start)
+        batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx, self._counts_at_start)
         if batches is None:
             return None
         loader = self._evaluation_loader(dataloader_idx)

@@ -661,3 +661,18 @@ def test_a_stateful_dataloader_stays_one_and_resumes_its_share_mid_epoch(num_wor
     resumed = make()
     resumed.load_state_dict(state)
     assert head + [batch.tolist() for batch in resumed] == whole
+
+
+def test_a_subclass_made_in_a_lightning_dataloader_hook_keeps_its_class() -> None:
+    """Lightning records how loaders made in its hooks were built, in attributes of their own (``__pl_*``,
+    ``__dataset``): bookkeeping, not a difference between the loader and its rebuilt copy."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+
+    with _replace_dunder_methods(DataLoader, "dataset"):  # what Lightning does around train_dataloader() & co
+        loaders = [DictBatches(Squares(), key="x", batch_size=4), stateful.StatefulDataLoader(Squares(), batch_size=4)]
+    for loader in loaders:
+        assert any(name.startswith("__pl_") for name in vars(loader))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*could not be built again")  # torchdata warns of its own
+            assert type(patch_dataloader_to_ddp(loader, num_replicas=2, rank=0)) is type(loader)

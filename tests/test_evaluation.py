@@ -429,3 +429,53 @@ def test_a_user_deal_that_leaves_a_rank_without_batches_is_refused_too() -> None
     with pytest.raises(Exception, match=r"DistributedSamplerWrapper\(even_shares=False\): .* leaves rank 1 without a"
                                         r" batch.*or even_shares=True"):
         trainer.validate(ValidatesOnAnUnevenUserDeal())
+
+
+class StepsTogetherAndFails(pl.LightningModule):
+    """Validates a "min_size" CombinedLoader, gathering each loader's rows; ``fail_at`` raises inside validation."""
+
+    def __init__(self, fail_at: Optional[int] = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.fail_at = fail_at
+        self.gathered: List[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def on_validation_epoch_start(self) -> None:
+        self.rows: List[List[torch.Tensor]] = [[], []]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.fail_at:
+            raise KeyError("interrupted inside validation")
+        for idx, (x, _) in enumerate(batch):
+            self.rows[idx].append(self.net(x))
+
+    def on_validation_epoch_end(self) -> None:
+        strategy: Any = self.trainer.strategy
+        self.gathered = [len(strategy.gather_in_order(torch.cat(rows), dataloader_idx=idx)) for idx, rows in enumerate(self.rows)]
+
+
+def test_gather_in_order_of_a_combined_validation_resumed_from_inside_it(tmp_path: Path) -> None:
+    """A fit resumed from a checkpoint written inside validation runs only the rest of it, while Lightning's
+    count of the run's steps starts at the steps done before: the count must not take those as this run's."""
+
+    def fit(model: StepsTogetherAndFails, ckpt_path: Optional[str] = None, **options: Any) -> None:
+        with single_rank_in_this_process(free_port()):
+            trainer = pl.Trainer(
+                strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1, limit_train_batches=2, **options)
+            )
+            loaders = [DataLoader(IndexDataset(24), batch_size=4), DataLoader(IndexDataset(16), batch_size=4)]
+            train = DataLoader(IndexDataset(8), batch_size=4)
+            trainer.fit(model, train, CombinedLoader(loaders, "min_size"), ckpt_path=ckpt_path)
+
+    checkpoint = OnExceptionCheckpoint(str(tmp_path))
+    with pytest.raises(KeyError, match="interrupted inside validation"):
+        fit(StepsTogetherAndFails(fail_at=2), callbacks=[checkpoint], enable_checkpointing=True)
+    resumed = StepsTogetherAndFails()
+    fit(resumed, ckpt_path=checkpoint.ckpt_path)
+    assert resumed.gathered == [8, 8], resumed.gathered  # Lightning runs the 2 steps left, from the start: 8 rows

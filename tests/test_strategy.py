@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ddp_ext
 from lightning_ddp_ext import CustomDDP, _compat
+from lightning_ddp_ext.dataloader import _patch as _patch_dataloader
 from lightning_ddp_ext.dataloader import patch_dataloader_to_ddp
 from lightning_ddp_ext.strategy import process_group_backend_for
 from lightning_ddp_ext.sync import gather_in_order
@@ -435,7 +436,7 @@ def test_dataloader_subclass_keeps_its_class(tmp_path: Path) -> None:
 def test_dataloader_subclass_is_rebuilt_from_its_attributes() -> None:
     """A loader made outside any hook: its arguments are read from its attributes, as Lightning does."""
     loader = KeyedLoader(IndexDataset(8), "k", batch_size=2)
-    rebuilt = _compat.rebuild_dataloader(loader, patch_dataloader_to_ddp(loader, num_replicas=2, rank=1))
+    rebuilt = _compat.rebuild_dataloader(loader, _patch_dataloader(loader, 2, 1, {}, keep_class=False))
     assert type(rebuilt) is KeyedLoader
     assert [batch["k"][1].tolist() for batch in rebuilt] == [[1, 3], [5, 7]]
 
@@ -448,7 +449,7 @@ class FixedLoader(DataLoader):
 def test_dataloader_subclass_that_cannot_be_rebuilt_is_a_clear_error() -> None:
     loader = FixedLoader(IndexDataset(8))
     with pytest.raises(TypeError, match=r"FixedLoader is a DataLoader subclass.*\(\*\*kwargs is enough\)"):
-        _compat.rebuild_dataloader(loader, patch_dataloader_to_ddp(loader, num_replicas=2, rank=0))
+        _compat.rebuild_dataloader(loader, _patch_dataloader(loader, 2, 0, {}, keep_class=False))  # as CustomDDP does
 
 
 class SamplerKwargsDDP(CustomDDP):
@@ -740,3 +741,16 @@ def test_the_end_of_a_fit_drops_the_resume_skips_it_left_untaken(end: str) -> No
     assert list(strategy_module._PENDING_SKIPS.values()) == [id(theirs)]
     theirs.teardown()
     assert not strategy_module._PENDING_SKIPS
+
+
+def test_a_wrapper_under_torchdata_s_batch_sampler_is_found() -> None:
+    """A StatefulDataLoader batches with torchdata's copy of BatchSampler: the user's wrapper under it gets the
+    early set_epoch, the resume skip and evaluated_indices() as under torch's."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from lightning_ddp_ext.samplers import DistributedSamplerWrapper
+    from lightning_ddp_ext.strategy import _wrapper_of
+
+    wrapper = DistributedSamplerWrapper(range(8), num_replicas=2, rank=0)
+    batches = stateful.sampler.BatchSampler(wrapper, batch_size=2, drop_last=False)
+    assert _wrapper_of(stateful.StatefulDataLoader(range(8), batch_sampler=batches)) is wrapper
+    assert _wrapper_of(stateful.StatefulDataLoader(range(8), sampler=wrapper, batch_size=2)) is wrapper

@@ -84,5 +84,9 @@ if __name__ == "__main__":
     try:
         trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4))
     except Exception as error:  # the failing kinds: rank 1's exit is what is checked
-        if "injected failure" not in str(error):
+        # The spawn launcher reports whichever rank it finds dead first: rank 1 itself, or rank 0, whose gradient
+        # all-reduce lost its peer (seen once in CI on Lightning 2.2).
+        if not KIND.startswith("ddp_failing") or not any(
+            cause in str(error) for cause in ("injected failure", "Connection closed by peer")
+        ):
             raise
