@@ -95,7 +95,19 @@ def test_gathered_embeddings_equal_single_process_in_dataset_order(
             assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
 
 
-class CombinedEmbedder(Embedder):
+class UnchangedByTraining(pl.LightningModule):
+    """A training step and an optimizer that leaves the weights as they are: for fits that are about validation."""
+
+    net: torch.nn.Module
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class CombinedEmbedder(UnchangedByTraining, Embedder):
     """Validates a non-sequential CombinedLoader: every step holds a batch of each loader (None once one ran out).
     Also writes which samples each loader's steps saw, and trains (for a fit's sanity check)."""
 
@@ -109,12 +121,6 @@ class CombinedEmbedder(Embedder):
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
         Path(self.out_dir, f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +161,7 @@ def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_to
             assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6), idx
 
 
-class CarelessEmbedder(Embedder):
+class CarelessEmbedder(UnchangedByTraining, Embedder):
     """Gathers the outputs of its one loader as asked: ``"per_batch"`` forgets ``torch.cat``, ``"skipped_batch"``
     records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit, ``"two_epochs"`` after
     each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself,
@@ -167,12 +173,6 @@ class CarelessEmbedder(Embedder):
         super().__init__(out_dir)
         self.case = case
         self.reports: List[Any] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def val_dataloader(self) -> DataLoader:
         if self.case == "shared":  # one loader, dealt by its user, for training and validation
@@ -431,7 +431,7 @@ def test_a_user_deal_that_leaves_a_rank_without_batches_is_refused_too() -> None
         trainer.validate(ValidatesOnAnUnevenUserDeal())
 
 
-class StepsTogetherAndFails(pl.LightningModule):
+class StepsTogetherAndFails(UnchangedByTraining):
     """Validates a "min_size" CombinedLoader, gathering each loader's rows; ``fail_at`` raises inside validation."""
 
     def __init__(self, fail_at: Optional[int] = None) -> None:
@@ -439,12 +439,6 @@ class StepsTogetherAndFails(pl.LightningModule):
         self.net = torch.nn.Linear(1, 1)
         self.fail_at = fail_at
         self.gathered: List[int] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def on_validation_epoch_start(self) -> None:
         self.rows: List[List[torch.Tensor]] = [[], []]
