@@ -221,8 +221,9 @@ def patch_dataloader_to_ddp(
     sampler is wrapped, never rebuilt, so batches a batch sampler builds itself reach the model unchanged.
     A DataLoader subclass (torchdata's ``StatefulDataLoader``, one with an ``__iter__`` of its own) is built
     again as its own class when every argument of its ``__init__`` is one of DataLoader's, an attribute of
-    the same name, or left at its default, and it keeps the sharded sampler; otherwise the new loader is a
-    plain ``DataLoader`` and a warning says what was lost and what to change.
+    the same name, or left at its default, and the copy holds the sharded sampler and otherwise the same
+    attributes as the original; else the new loader is a plain ``DataLoader`` and a warning says what was
+    lost and what to change.
 
     Once patched, a default sampler's order comes from ``seed + epoch`` (the same on every rank), no longer
     from the loader's ``generator=`` or the ``RandomSampler``'s own. Before each epoch call ``set_epoch(epoch)`` on
