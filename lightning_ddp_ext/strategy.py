@@ -187,7 +187,8 @@ def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
 
 def _index_sampler(loader: object) -> object:
     """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler`` (or torchdata's
-    copy), whether made from ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else ``loader.sampler``."""
+    copy), whether made from ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else
+    ``loader.sampler``."""
     batching = getattr(loader, "batch_sampler", None)
     plain = batching is not None and _is_plain(batching, BatchSampler)
     return batching.sampler if plain else getattr(loader, "sampler", None)  # type: ignore[union-attr]
