@@ -145,14 +145,13 @@ def evaluated_batches(trainer: "pl.Trainer", dataloader_idx: int, at_start: Eval
     loop = _running_loop(trainer, stage)
     if inside_evaluation_batch(trainer) or isinstance(getattr(loop, "_data_fetcher", None), _DataLoaderIterDataFetcher):
         return None
-    now = evaluation_counts(trainer)
     if evaluation_combine_mode(trainer) not in (None, "sequential"):
-        return now.steps - at_start.steps
+        return evaluation_counts(trainer).steps - at_start.steps
     if trainer.sanity_checking:
         planned = trainer.num_sanity_val_batches
         count = planned[dataloader_idx] if 0 <= dataloader_idx < len(planned) else None
         return int(count) if isinstance(count, int) or (isinstance(count, float) and count.is_integer()) else None
-    return now.per_loader.get(dataloader_idx, 0) - at_start.per_loader.get(dataloader_idx, 0)
+    return evaluation_counts(trainer).per_loader.get(dataloader_idx, 0) - at_start.per_loader.get(dataloader_idx, 0)
 
 
 def evaluation_combine_mode(trainer: "pl.Trainer") -> Optional[str]:
