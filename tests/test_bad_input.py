@@ -426,5 +426,6 @@ def test_drop_last_leaving_ranks_without_a_batch_is_refused(uneven: bool) -> Non
     fix = "even shares (even_shares=True; with CustomDDP, eval_mode='pad')" if uneven else (
         "padded shares (pad=True; with CustomDDP, pad_to_world_size=True)"
     )
-    with pytest.raises(ValueError, match=re.escape(f"Use a smaller batch_size, drop_last=False, fewer ranks or {fix}.")):
+    expected = re.escape(f"Use a smaller batch_size, drop_last=False, fewer ranks or {fix}.")
+    with pytest.raises(ValueError, match=expected):
         patch_dataloader_to_ddp(DataLoader(range(7), batch_size=4, drop_last=True), 2, 0, **options, pad=False)

@@ -125,7 +125,10 @@ class CombinedEmbedder(UnchangedByTraining, Embedder):
 
 @pytest.mark.parametrize(
     "mode,run",
-    [("max_size", "whole"), ("min_size", "whole"), ("max_size", "limited"), ("min_size", "sanity"), ("max_size_cycle", "whole")],
+    [
+        ("max_size", "whole"), ("min_size", "whole"), ("max_size", "limited"), ("min_size", "sanity"),
+        ("max_size_cycle", "whole"),
+    ],
 )
 def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(
     tmp_path: Path, mode: str, run: str
@@ -451,7 +454,9 @@ class StepsTogetherAndFails(UnchangedByTraining):
 
     def on_validation_epoch_end(self) -> None:
         strategy: Any = self.trainer.strategy
-        self.gathered = [len(strategy.gather_in_order(torch.cat(rows), dataloader_idx=idx)) for idx, rows in enumerate(self.rows)]
+        self.gathered = [
+            len(strategy.gather_in_order(torch.cat(rows), dataloader_idx=idx)) for idx, rows in enumerate(self.rows)
+        ]
 
 
 def test_gather_in_order_of_a_combined_validation_resumed_from_inside_it(tmp_path: Path) -> None:

@@ -605,7 +605,8 @@ def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_sh
                 **trainer_kwargs(devices=1, max_epochs=3, **trainer_options),
             )
             data = TensorDataset(torch.arange(12.0).unsqueeze(1))
-            sampling = dict(batch_size=2) if default_sampler else dict(batch_sampler=[[2 * i, 2 * i + 1] for i in range(6)])
+            pairs = [[2 * i, 2 * i + 1] for i in range(6)]
+            sampling = dict(batch_size=2) if default_sampler else dict(batch_sampler=pairs)
             trainer.fit(model, DataLoader(data, **sampling))  # type: ignore[arg-type]
         return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
 
