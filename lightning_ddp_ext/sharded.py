@@ -868,6 +868,19 @@ class CustomDDPSharded(CustomDDP):
                 cast(Any, self.model).disarm()
 
     @override
+    def on_validation_start(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm statistics, counters) before a validation run, once.
+
+        ``validation_step`` bypasses the wrapper (see there), whose forward is what broadcasts them in training,
+        so without this each rank would evaluate with the statistics of its own last training batch, unlike
+        ``CustomDDP`` (DDP's forward) and unlike the checkpoint, which saves rank 0's. One collective per
+        run, outside the steps, so ``eval_mode="exact"`` is safe.
+        """
+        if isinstance(self.model, _sharded_data_parallel_class()) and self.ddp_kwargs.get("broadcast_buffers", True):
+            cast(Any, self.model).sync_buffers(blocking=True)
+        super().on_validation_start()
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``validation_step`` on the LightningModule itself, not through ShardedDataParallel.
 

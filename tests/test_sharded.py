@@ -580,6 +580,51 @@ def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path, mo
         assert torch.load(tmp_path / f"rank{rank}.pt") is True, rank
 
 
+class NormalizedRegressor(pl.LightningModule):
+    """A BatchNorm layer, whose running statistics each rank updates from its own training batches; at every
+    validation run each rank saves how far its statistics are from rank 0's."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
+        self.out_dir = out_dir
+        self.gaps: List[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.net(batch[0]) - batch[1]).pow(2).mean()
+
+    def on_validation_epoch_start(self) -> None:  # after the strategy's on_validation_start
+        statistics = self.net[1].running_mean.clone()
+        gathered = [torch.zeros_like(statistics) for _ in range(2)]
+        dist.all_gather(gathered, statistics)
+        self.gaps.append(float((gathered[self.global_rank] - gathered[0]).abs().max()))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.net(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_fit_end(self) -> None:
+        torch.save(self.gaps, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+
+@needs_fairscale
+@pytest.mark.timeout(150)
+def test_validation_inside_fit_uses_rank_0_s_buffers_as_custom_ddp_does(tmp_path: Path) -> None:
+    """validation_step bypasses the wrapper, whose forward broadcasts the buffers in training: without a
+    broadcast at the validation's start, rank 1 evaluated with the BatchNorm statistics of its own last batch
+    (CustomDDP goes through DDP's forward, which gives every rank rank 0's, as the checkpoint has them)."""
+    points = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    trainer = pl.Trainer(
+        strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
+        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
+    )
+    trainer.fit(NormalizedRegressor(str(tmp_path)), DataLoader(points, batch_size=4), DataLoader(points, batch_size=4))
+    assert [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)] == [[0.0, 0.0], [0.0, 0.0]]
+
+
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks
 def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     """Re-wrapping, schedulers, clipping in every precision, the scaler, the save guard and its group, on real ranks."""
