@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+import tempfile
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -20,6 +24,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
@@ -225,39 +230,113 @@ def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
     return rebuilt
 
 
-class _LauncherNamingUnpicklable(_MultiProcessingLauncher):
-    """Lightning's spawn/forkserver launcher, whose pickling errors name the object that cannot be pickled.
+class _Launcher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork/forkserver launcher, whose errors name their cause.
 
-    The launcher pickles the trainer and the arguments of ``fit``/``validate``/... for every rank; pickle only
-    says ``cannot pickle '_thread.lock' object``. On such an error the arguments are searched for the
-    innermost object that fails; if one is found the error names it and says what to do, otherwise it is
-    raised unchanged. A launch that succeeds costs nothing more. (A class, not a patched method: the launcher
-    is pickled along with the trainer.)
+    - A pickling error names the object that cannot be pickled. The launcher pickles the trainer and the
+      arguments of ``fit``/``validate``/... for every rank; pickle only says ``cannot pickle '_thread.lock'
+      object``. The arguments are searched for the innermost object that fails; if none is found the error is
+      raised unchanged.
+    - The error raised is the one of the rank that failed first. torch.multiprocessing reports the first
+      process to *exit*; when one rank raises, the others fail in their next collective ("Connection closed by
+      peer") and one of them may well exit first, which hid the cause. Each failing rank records its error in a
+      folder the launching process made, before it exits and closes its connections; the first record is made
+      atomically, and the launching process raises that one.
+
+    A launch that succeeds costs a temporary folder. (A class, not patched methods: the launcher is pickled
+    along with the trainer.)
     """
+
+    _failures: Optional[str] = None  # the records' folder, during a launch
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        with tempfile.TemporaryDirectory(prefix="lightning_ddp_ext-failures-") as failures:
+            self._failures = failures
+            try:
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+            except PICKLING_ERRORS as error:
+                named = self._naming_unpicklable(error, function, args, kwargs)
+                if named is error:
+                    raise
+                raise named from error
+            except ProcessRaisedException as error:
+                first = _first_failure(failures, error, self.procs)
+                if first is error:
+                    raise
+                raise first from None
+            finally:
+                self._failures = None
+
+    def _naming_unpicklable(
+        self, error: Exception, function: Callable, args: tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Exception:
+        """``error`` rewritten to name the innermost argument that cannot be pickled; ``error`` if none is found."""
+        named = dict(zip(inspect.signature(function).parameters, args), **kwargs)
+        culprit = next((path for key, value in named.items() if (path := unpicklable_path(value, key))), None)
+        if culprit is None:
+            return error
+        return type(error)(
+            f"{culprit} cannot be pickled, which start_method={self._start_method!r} needs to send it to every"
+            f" rank: {error}. Make it picklable (create the lock, file or generator lazily, e.g. in __iter__),"
+            " or use strategy='ddp_custom_sampler' (start_method='popen'), which starts the ranks as scripts"
+            " and pickles nothing."
+        )
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        """Lightning's function run in each started process, which records the error it fails with."""
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except PICKLING_ERRORS as error:
-            named = dict(zip(inspect.signature(function).parameters, args), **kwargs)
-            culprit = next((path for key, value in named.items() if (path := unpicklable_path(value, key))), None)
-            if culprit is None:
-                raise
-            raise type(error)(
-                f"{culprit} cannot be pickled, which start_method={self._start_method!r} needs to send it to every"
-                f" rank: {error}. Make it picklable (create the lock, file or generator lazily, e.g. in __iter__),"
-                " or use strategy='ddp_custom_sampler' (start_method='popen'), which starts the ranks as scripts"
-                " and pickles nothing."
-            ) from error
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except Exception:  # as torch.multiprocessing's wrapper, which reports these
+            _record_failure(self._failures, process_idx, traceback.format_exc())
+            raise
 
 
-def name_unpicklable_objects_at_launch(strategy: "DDPStrategy") -> None:
-    """Swap the spawn/forkserver launcher ``DDPStrategy._configure_launcher`` made for one that names
-    unpicklable objects (:class:`_LauncherNamingUnpicklable`); fork and popen pickle nothing."""
+_FIRST_FAILURE = "first"
+
+
+def _record_failure(folder: Optional[str], process_idx: int, trace: str) -> None:
+    """Write ``trace`` to ``folder``; it becomes the folder's first failure unless another process's already is.
+
+    The record is written whole under a name of its own, then hard-linked as the first failure: the link is
+    made once, atomically, whichever process comes first. Never raises: the process's own error goes on."""
+    if folder is None:
+        return
+    record = os.path.join(folder, f"process{process_idx}")
+    try:
+        with open(record, "w", encoding="utf-8") as file:
+            file.write(f"{process_idx}\n{trace}")
+        os.link(record, os.path.join(folder, _FIRST_FAILURE))
+    except OSError:  # another process was first (FileExistsError), or the folder is gone
+        pass
+
+
+def _first_failure(folder: str, reported: ProcessRaisedException, processes: List[Any]) -> ProcessRaisedException:
+    """The error of the process that failed first, as torch.multiprocessing raises it; ``reported`` itself when it
+    is that one, or when no process recorded a failure."""
+    try:
+        index_text, _, trace = Path(folder, _FIRST_FAILURE).read_text(encoding="utf-8").partition("\n")
+        index = int(index_text)
+    except (OSError, ValueError):
+        return reported
+    if index == reported.error_index or not 0 <= index < len(processes):
+        return reported
+    consequence = reported.msg.strip().splitlines()[-1] if reported.msg.strip() else type(reported).__name__
+    message = (
+        f"\n\n-- Process {index} failed first, with the following error:\n{trace}"
+        f"\n-- Process {reported.error_index} failed after it, most likely because of it, and exited first:"
+        f" {consequence}\n"
+    )
+    return ProcessRaisedException(message, index, processes[index].pid)
+
+
+def use_clear_error_launcher(strategy: "DDPStrategy") -> None:
+    """Swap the spawn/fork/forkserver launcher ``DDPStrategy._configure_launcher`` made for :class:`_Launcher`,
+    whose errors name an unpicklable object, and the rank that failed first."""
     launcher = strategy._launcher
-    if type(launcher) is _MultiProcessingLauncher and launcher._start_method != "fork":
-        strategy._launcher = _LauncherNamingUnpicklable(strategy, start_method=launcher._start_method)
+    if type(launcher) is _MultiProcessingLauncher:
+        strategy._launcher = _Launcher(strategy, start_method=launcher._start_method)
 
 
 def kill_launched_ranks(strategy: "DDPStrategy") -> int:

@@ -1346,7 +1346,7 @@ class CustomDDP(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        _compat.name_unpicklable_objects_at_launch(self)
+        _compat.use_clear_error_launcher(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -136,3 +136,16 @@ def test_evaluation_loop_knows_its_combined_loader_and_progress() -> None:
     init = inspect.getsource(_EvaluationLoop.__init__)
     assert "self._combined_loader" in init and "self.batch_progress = _BatchProgress()" in init
     assert CombinedLoader([[0]], mode="max_size")._mode == "max_size"
+
+
+def test_multiprocessing_launcher_hooks() -> None:
+    """`_compat._Launcher` records a rank's error around `_wrapping_function(process_idx, ...)` and names the
+    process that failed first from `self.procs`, which `launch` sets."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    parameters = list(inspect.signature(_MultiProcessingLauncher._wrapping_function).parameters)
+    assert parameters[:2] == ["self", "process_idx"]
+    assert "self.procs = process_context.processes" in inspect.getsource(_MultiProcessingLauncher.launch)
+    for start_method in ("spawn", "fork", "forkserver"):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(start_method=start_method), logger=False)
+        assert type(trainer.strategy._launcher) is _compat._Launcher

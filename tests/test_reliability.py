@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 import pytest
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
@@ -140,17 +141,22 @@ def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) 
 
 # ------------------------------------------------------------------------------------------------ faults
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("fault,fault_rank", [("raise", 1), ("sigkill", 0)])
+@pytest.mark.parametrize("fault,fault_rank", [("raise", 1), ("raise_exiting_late", 1), ("sigkill", 0)])
 def test_spawn_a_failing_rank_ends_the_whole_job(fault: str, fault_rank: int, tmp_path: Path, spawn_job: None) -> None:
+    """The error raised is the failing rank's, also when another rank, failing because of it, exits first
+    (torch.multiprocessing reports the first process to exit: "raise_exiting_late" makes that the survivor)."""
     trainer = pl.Trainer(strategy=strategy("spawn"), **trainer_kwargs(max_epochs=3))
     model = FaultyRecorder(str(tmp_path), fault=fault, fault_rank=fault_rank, fault_step=2)
     with pytest.raises(Exception) as raised:
         trainer.fit(model, pk_loader(size=96))
     assert (tmp_path / f"rank{fault_rank}.fault").exists(), "the fault was never reached"
     message = str(raised.value)
-    if fault == "raise":
+    if fault.startswith("raise"):
         assert f"{INJECTED_MESSAGE} on rank {fault_rank} at step 2" in message, message[-2000:]
-    else:  # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
+        assert isinstance(raised.value, ProcessRaisedException) and raised.value.error_index == fault_rank
+    if fault == "raise_exiting_late":
+        assert f"Process {1 - fault_rank} failed after it" in message, message[-2000:]
+    elif fault == "sigkill":  # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
         assert "SIGKILL" in message or "Connection" in message, message[-2000:]
     assert not list(tmp_path.glob("rank*.json")), "a rank finished training"
 

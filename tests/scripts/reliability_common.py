@@ -102,13 +102,29 @@ def pk_loader(size: int = 48, seed: int = 1, num_workers: int = 0) -> DataLoader
     )
 
 
+#: How long a rank with the fault "raise_exiting_late" takes to end once it has closed its connections.
+LATE_EXIT_S = 8.0
+
+
+class _SleepsWhenFreed:
+    """Held by a module global, so it is freed late in the interpreter's shutdown: after the exit handlers, one
+    of which destroys the process group and so fails the other ranks. Its process then ends only after theirs."""
+
+    def __del__(self) -> None:
+        time.sleep(LATE_EXIT_S)
+
+
+_late_exit: Optional[_SleepsWhenFreed] = None
+
+
 class FaultyRecorder(Recorder):
-    """A Recorder whose rank ``fault_rank`` fails at its ``fault_step``-th training step: it raises, SIGKILLs
-    itself, or hangs outside any collective (as a rank does whose DataLoader worker deadlocked)."""
+    """A Recorder whose rank ``fault_rank`` fails at its ``fault_step``-th training step: it raises (and with
+    "raise_exiting_late" ends only well after the other ranks failed because of it), SIGKILLs itself, or hangs
+    outside any collective (as a rank does whose DataLoader worker deadlocked)."""
 
     def __init__(self, out_dir: str, fault: Optional[str] = None, fault_rank: int = 1, fault_step: int = 2) -> None:
         super().__init__(out_dir)
-        if fault not in (None, "raise", "sigkill", "hang"):
+        if fault not in (None, "raise", "raise_exiting_late", "sigkill", "hang"):
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fault_rank, self.fault_step = fault, fault_rank, fault_step
 
@@ -119,6 +135,9 @@ class FaultyRecorder(Recorder):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.fault == "hang":
                 time.sleep(24 * 3600)
+            if self.fault == "raise_exiting_late":
+                global _late_exit
+                _late_exit = _SleepsWhenFreed()
             raise RuntimeError(f"{INJECTED_MESSAGE} on rank {self.global_rank} at step {self.global_step}")
         return super().training_step(batch, batch_idx)
 
