@@ -156,7 +156,8 @@ def test_spawn_a_failing_rank_ends_the_whole_job(fault: str, fault_rank: int, tm
         assert isinstance(raised.value, ProcessRaisedException) and raised.value.error_index == fault_rank
     if fault == "raise_exiting_late":
         assert f"Process {1 - fault_rank} failed after it" in message, message[-2000:]
-    elif fault == "sigkill":  # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
+    elif fault == "sigkill":
+        # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
         assert "SIGKILL" in message or "Connection" in message, message[-2000:]
     assert not list(tmp_path.glob("rank*.json")), "a rank finished training"
 
