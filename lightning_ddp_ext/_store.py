@@ -116,16 +116,21 @@ class CompactStore:
         items = list(items)
         try:
             if not self._batched:
+                if bool in map(type, items):
+                    raise TypeError  # array would store True as 1: named below
                 self._append_values(items)
                 return
             if any(isinstance(item, (str, bytes)) for item in items):
                 raise TypeError  # they iterate as characters or small ints, but are no index batches
-            for _ in map(len, items):  # what has no len() is no index batch (an iterator): named one by one below
+            for _ in map(len, items):  # without len(): converted one by one below, where an iterator is refused
                 pass
             # Lengths from what iteration gives: only an exact list or tuple's len() is sure to agree with it.
             parts = [item if type(item) in (list, tuple) else list(item) for item in items]
             lengths = list(map(len, parts))
-            self._append_values(list(chain.from_iterable(parts)))
+            values = list(chain.from_iterable(parts))
+            if bool in map(type, values):
+                raise TypeError
+            self._append_values(values)
         except (TypeError, ValueError, OverflowError):
             for item in items:  # one at a time, to name the item that is not an index (_convert raises)
                 self._append_values(array("q", self._convert(item)).tolist())
@@ -175,6 +180,35 @@ class CompactStore:
             yield map(memoryview.tolist, map(view.__getitem__, slices))
 
 
+class NotIndicesError(TypeError):
+    """An item that reading would spoil or change: its message says why, for the caller's error to quote."""
+
+
+def indices_of(item: Any, batched: bool) -> Any:
+    """The indices of one item as the wrappers read them: a tuple of ints for a batch, an int otherwise.
+
+    ``operator.index``, not ``int()``: a float or a string is refused, never truncated or parsed. Refused with
+    :class:`NotIndicesError` too: an iterator (reading it to hash or store it would hand the DataLoader an empty
+    batch) and a bool (``True`` would be stored as index 1, while ``tensor[True]`` is not ``tensor[1]``).
+    Anything else that is no index raises the TypeError of ``operator.index``.
+    """
+    if not batched:
+        if type(item) is bool:
+            raise NotIndicesError("A bool is not an index: yield ints.")
+        return operator.index(item)
+    if isinstance(item, (str, bytes)):
+        raise TypeError("a string is no batch")  # it iterates as characters or small ints
+    if isinstance(item, Iterator):
+        raise NotIndicesError(
+            "It is an iterator, which would be used up by reading it (the DataLoader would get an empty batch):"
+            " yield a list or a tuple of indices."
+        )
+    values = tuple(item)
+    if bool in map(type, values):  # before operator.index, which turns True into 1
+        raise NotIndicesError("A bool is not an index: yield ints.")
+    return tuple(map(operator.index, values))
+
+
 def _converter(batched: bool, owner: str) -> Callable[[Any], bytes]:
     """The general, slow conversion of one item to its indices as int64 bytes, raising a TypeError that names
     the item and the sampler (``owner``). A closure, not a method: the C store holds it, and a method would
@@ -183,18 +217,15 @@ def _converter(batched: bool, owner: str) -> Callable[[Any], bytes]:
 
     def convert(item: Any) -> bytes:
         try:
-            if not batched:
-                return array("q", [operator.index(item)]).tobytes()
-            if isinstance(item, (str, bytes)):
-                raise TypeError
-            # operator.index, not int(): a float or a string is refused, never truncated or parsed
-            return array("q", map(operator.index, item)).tobytes()
+            indices = indices_of(item, batched)
+            return array("q", indices if batched else [indices]).tobytes()
         except OverflowError:
             raise TypeError(
                 f"{owner} yielded {item!r}; each item must be {expected}, and an index must fit in 64 bits"
                 " (-2**63 <= index < 2**63) to be stored for the whole-epoch shuffle."
             ) from None
-        except (TypeError, ValueError):
-            raise TypeError(f"{owner} yielded {item!r}; each item must be {expected}.") from None
+        except (TypeError, ValueError) as error:
+            reason = f" {error}" if isinstance(error, NotIndicesError) else ""
+            raise TypeError(f"{owner} yielded {item!r}; each item must be {expected}.{reason}") from None
 
     return convert

@@ -7,7 +7,6 @@ is never seen, and nothing fails. Each wrapper keeps a cheap running :class:`Seq
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -106,14 +105,10 @@ class RunningDigest:
             if key is not None:
                 return key
         try:
-            if self._batched:
-                if isinstance(item, (str, bytes)):
-                    raise TypeError
-                return tuple(map(operator.index, item))
-            return operator.index(item)
-        except TypeError:
+            return _store.indices_of(item, self._batched)
+        except TypeError as error:
             expected = "a sequence of integer indices" if self._batched else "an integer index"
-            hint = (
+            hint = f" {error}" if isinstance(error, _store.NotIndicesError) else (
                 " If it yields single indices, wrap it with DistributedSamplerWrapper instead."
                 if self._batched
                 else " If it yields batches, wrap it with DistributedBatchSamplerWrapper instead (in a"

@@ -160,11 +160,16 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         even_shares: bool = True,
     ) -> None:
         owner = type(self).__name__
-        if not hasattr(source, "__len__") or not hasattr(source, "__iter__"):
+        if not hasattr(source, "__len__"):
             raise TypeError(
                 f"{owner} needs an iterable with __len__, got {type(source).__name__}: every rank must know the"
                 " number of items in advance to take equal shares. Add a __len__ that returns how many items"
                 " one epoch yields (or use an IterableDataset that shards itself)."
+            )
+        if not hasattr(source, "__iter__") and not hasattr(source, "__getitem__"):  # as iter() decides
+            raise TypeError(
+                f"{owner} needs an iterable with __len__, got {type(source).__name__}, which has __len__ but"
+                " cannot be iterated. Give it an __iter__ that yields one epoch's items."
             )
         shuffle_window = _check_shuffle_window(shuffle_window, owner)
         shuffle, pad = _check_flag(shuffle, "shuffle", owner), _check_flag(pad, "pad", owner)

@@ -100,6 +100,40 @@ def test_batch_sampler_without_len_is_refused_at_construction(source: Any) -> No
         patch_dataloader_to_ddp(loader, num_replicas=WORLD, rank=0)
 
 
+class IndexedBatches:
+    """Batches through the sequence protocol (``__getitem__`` until IndexError, and ``__len__``): iter() and a
+    DataLoader take it, with no ``__iter__``."""
+
+    def __getitem__(self, position: int) -> List[int]:
+        if position >= 5:
+            raise IndexError(position)
+        return [2 * position, 2 * position + 1]
+
+    def __len__(self) -> int:
+        return 5
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": True, "shuffle_window": 1}, {"shuffle": True}])
+def test_a_batch_sampler_iterated_through_getitem_is_dealt(options: dict) -> None:
+    loaders = [
+        patch_dataloader_to_ddp(DataLoader(range(10), batch_sampler=IndexedBatches()), WORLD, rank, **options)
+        for rank in range(WORLD)
+    ]
+    batches = [batch.tolist() for loader in loaders for batch in loader]
+    assert [len(loader) for loader in loaders] == [3, 3]
+    assert len(batches) == 6 and set(map(tuple, batches)) == {(2 * i, 2 * i + 1) for i in range(5)}  # one repeat
+
+
+def test_a_sized_object_that_cannot_be_iterated_is_refused_at_construction() -> None:
+    class LengthOnly:
+        def __len__(self) -> int:
+            return 3
+
+    message = "got LengthOnly, which has __len__ but cannot be iterated. Give it an __iter__"
+    with pytest.raises(TypeError, match=message):
+        DistributedBatchSamplerWrapper(LengthOnly(), num_replicas=WORLD, rank=0)
+
+
 def test_one_shot_generator_as_index_sampler_is_refused_at_construction() -> None:
     loader = DataLoader(range(6), batch_size=2, sampler=(i for i in range(6)))
     with pytest.raises(TypeError, match="DistributedSamplerWrapper needs an iterable with __len__, got generator"):
@@ -145,8 +179,10 @@ def test_empty_sampler_is_refused_at_construction(wrapper: type) -> None:
         wrapper(Batches([]), num_replicas=WORLD, rank=0)
 
 
-BAD_BATCHES = [[0.5, 1], "ab", 3, None, [[0, 1]]]  # floats, a string, a bare index, None, nested lists
-BAD_INDICES = [[1, 2], 1.0, "3", None]
+# floats, a string, a bare index, None, nested lists, a bool (True is no index 1 to a tensor), an iterator (reading
+# it to check it would leave the DataLoader an empty batch)
+BAD_BATCHES = [[0.5, 1], "ab", 3, None, [[0, 1]], [True, 1], iter([0, 1])]
+BAD_INDICES = [[1, 2], 1.0, "3", None, True]
 MODES = [{}, {"shuffle": True, "shuffle_window": 1}, {"shuffle": True}]
 MODE_IDS = ["in-order", "window", "full"]
 

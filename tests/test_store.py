@@ -70,7 +70,10 @@ def as_ints(item: Any) -> Any:
 index = st.integers(-(2**63), 2**63 - 1)
 batch = st.lists(index, max_size=6).flatmap(
     lambda values: st.sampled_from(
-        [values, tuple(values), np.array(values, dtype=np.int64), torch.tensor(values, dtype=torch.int64), [True] + values]
+        [
+            values, tuple(values), np.array(values, dtype=np.int64), torch.tensor(values, dtype=torch.int64),
+            [np.int64(0)] + values,  # a list that is not all exact ints: the converter's path
+        ]
     )
 )
 
@@ -109,6 +112,25 @@ def test_single_items_that_are_not_indices_are_named(path: str, item: Any) -> No
     store = CompactStore(batched=False, owner="MySampler")
     with pytest.raises(TypeError, match=r"MySampler yielded .*; each item must be an integer index"):
         store.read(iter([0, item]), bytes([STORE, STORE]))
+
+
+@pytest.mark.parametrize(
+    "batched,item,why",
+    [
+        (True, [0, True], "A bool is not an index"),
+        (True, (False,), "A bool is not an index"),
+        (False, True, "A bool is not an index"),
+        (True, iter([0, 1]), "It is an iterator, which would be used up by reading it"),
+        (True, (i for i in [0, 1]), "It is an iterator, which would be used up by reading it"),
+    ],
+    ids=["bool-in-list", "bool-in-tuple", "single-bool", "list-iterator", "generator"],
+)
+def test_bools_and_iterators_are_refused_with_the_reason(path: str, batched: bool, item: Any, why: str) -> None:
+    """A bool would be stored as 0 or 1 (``tensor[True]`` is not ``tensor[1]``), and reading an iterator would
+    use it up: both are refused, on both paths, rather than changed."""
+    store = CompactStore(batched=batched, owner="MySampler")
+    with pytest.raises(TypeError, match=rf"MySampler yielded .*; each item must be .*\. {why}"):
+        store.read(iter([[0] if batched else 0, item]), bytes([STORE, STORE]))
 
 
 @pytest.mark.parametrize("batched,item", [(True, [0, 2**63]), (True, [-(2**63) - 1]), (False, 2**64)])
@@ -185,8 +207,8 @@ def test_the_digest_hashes_the_same_keys_on_both_paths(monkeypatch: pytest.Monke
     digests across builds) and the same error for an item that is not a batch of indices."""
     if _store._compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    batches: List[Any] = [[3, 1, 2], (4, 5), [], (), [True, 2], [np.int64(7), 8], np.array([1, 2]), [2**70], range(3)]
-    errors: List[Any] = ["ab", [1.5], [None, 1], (2, "3")]
+    batches: List[Any] = [[3, 1, 2], (4, 5), [], (), [np.int64(7), 8], np.array([1, 2]), [2**70], range(3)]
+    errors: List[Any] = ["ab", [1.5], [None, 1], (2, "3"), [True, 2], (False,), iter([1])]
 
     def keys_and_errors() -> List[Any]:
         digest = RunningDigest("Sampler", 0, len(batches), batched=True)
