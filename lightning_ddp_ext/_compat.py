@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from typing_extensions import override
 
 from lightning_ddp_ext._pickling import PICKLING_ERRORS, unpicklable_path
+from lightning_ddp_ext.dataloader import is_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,7 +55,25 @@ def take_over_sampler_replacement(trainer: "pl.Trainer", take_over: bool = True)
         setattr(connector, _USER_FLAG, bool(connector.use_distributed_sampler))
     user_flag = bool(getattr(connector, _USER_FLAG))
     connector.use_distributed_sampler = user_flag and not take_over
+    _leave_sharded_loaders_alone(trainer)
     return user_flag
+
+
+def _leave_sharded_loaders_alone(trainer: "pl.Trainer") -> None:
+    """Where Lightning still replaces samplers (predict), let it skip a loader that one of our wrappers deals
+    already, as it skips one with torch's ``DistributedSampler``: it would shard the wrapper's share again and
+    each rank would predict half of its share, silently (``patch_dataloader_to_ddp`` of a plain or an
+    index-sampler loader). ``_DataConnector._requires_distributed_sampler`` is that test in 2.2 to 2.6; the
+    instance attribute keeps Lightning's own answer for every other loader."""
+    connector = trainer._data_connector
+    if "_requires_distributed_sampler" in vars(connector):
+        return
+    requires = connector._requires_distributed_sampler
+
+    def requires_unless_dealt(dataloader: DataLoader) -> bool:
+        return bool(requires(dataloader)) and not is_sharded(dataloader)
+
+    connector._requires_distributed_sampler = requires_unless_dealt  # type: ignore[method-assign]
 
 
 @contextmanager

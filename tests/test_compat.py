@@ -10,8 +10,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from packaging.version import Version
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
-from lightning_ddp_ext import CustomDDP, _compat
+from lightning_ddp_ext import CustomDDP, _compat, patch_dataloader_to_ddp
 
 
 def hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -51,6 +52,10 @@ def test_sampler_replacement_switch() -> None:
     assert _compat.take_over_sampler_replacement(trainer) is True  # the user's value is remembered
     assert _compat.take_over_sampler_replacement(trainer, take_over=False) is True  # e.g. for predict
     assert trainer._accelerator_connector.use_distributed_sampler is True
+    # where Lightning still shards (predict), it leaves a loader our wrapper deals as it leaves a DistributedSampler
+    requires = trainer._data_connector._requires_distributed_sampler
+    dealt = patch_dataloader_to_ddp(DataLoader(range(8), batch_size=2), 2, 0, even_shares=False)
+    assert requires(DataLoader(range(8), batch_size=2)) and not requires(dealt)
     refused = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False)
     assert _compat.take_over_sampler_replacement(refused) is False
 
