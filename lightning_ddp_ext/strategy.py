@@ -490,6 +490,7 @@ class CustomDDP(DDPStrategy):
             )
         self.model = wrapped
         self._register_comm_hook()
+        _compat.restart_static_graph_delay(self)  # each new wrapper's first iteration, in every fit of the strategy
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -583,7 +584,6 @@ class CustomDDP(DDPStrategy):
             )
         if cuda:
             torch.cuda.synchronize(self.root_device)
-        _compat.restart_static_graph_delay(self)  # the new wrapper's first iteration under manual optimization
         unfrozen = sum(n and not b for n, b in zip(now, before))
         frozen = sum(b and not n for n, b in zip(now, before))
         rank_zero_info(

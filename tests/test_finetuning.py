@@ -23,6 +23,7 @@ The error for ranks that froze different parameters is checked without a fit.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -34,7 +35,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
 from packaging.version import Version
-from distributed_helpers import run_distributed
+from distributed_helpers import run_distributed, run_python
 from scenarios import TEST_PG_TIMEOUT, BackboneAndHead, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -216,6 +217,23 @@ def test_manual_optimization_with_static_graph_across_re_wraps(tmp_path: Path) -
     gradients are not all-reduced, and the ranks drift apart (by 0.1 here)."""
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, static_graph=True)
     fit_as_one_process(tmp_path, strategy, ManualFineTuned, accumulate_grad_batches=1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    Version(lightning.__version__) < Version("2.6.0"),
+    reason="Lightning before 2.6.0 does not synchronise the first step of manual optimization with"
+    " static_graph=True at all (Lightning #21251)",
+)
+def test_manual_optimization_with_static_graph_in_a_second_fit_of_the_same_ranks(tmp_path: Path) -> None:
+    """Under popen the ranks and the strategy live on between fits: Lightning's once-per-strategy flag for the first
+    static-graph iteration must start again with the wrapper the second fit builds, or that step's gradients are
+    not all-reduced and the ranks drift apart for good (steps 3-4 here)."""
+    script = Path(__file__).parent / "scripts" / "static_graph_refit.py"
+    run_python(str(script), str(tmp_path), timeout=240, cwd=tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert len(ranks[0]) == 4  # 2 steps per epoch on each rank: one epoch in each fit
+    assert ranks[0] == ranks[1]
 
 
 class SpawnablePowerSGDState(PowerSGDState):
