@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,17 @@ def _destroy_process_group() -> None:
         _release_strategies_groups()
         gc.collect()
         dist.destroy_process_group()
+
+
+_EXIT_HANDLER: List[Callable[[], None]] = []  # registered with atexit in this process, once
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Have :func:`_destroy_process_group` run at exit, once per process: registered by ``setup_distributed``
+    whenever the strategy's ``init_ddp_connection`` made the default group, the default one or an override."""
+    if not _EXIT_HANDLER:
+        atexit.register(_destroy_process_group)
+        _EXIT_HANDLER.append(_destroy_process_group)
 
 
 def _release_strategies_groups() -> None:
@@ -337,7 +348,10 @@ class CustomDDP(DDPStrategy):
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
+        joined_before = dist.is_available() and dist.is_initialized()
         self.init_ddp_connection(self.global_rank, self.world_size)
+        if not joined_before and dist.is_available() and dist.is_initialized():  # also by an override of ours
+            _destroy_process_group_at_exit()
         _STRATEGIES_SET_UP.add(self)
 
     def _release_process_groups(self) -> None:
@@ -374,7 +388,6 @@ class CustomDDP(DDPStrategy):
             kwargs["device_id"] = self.root_device  # torch 2.3 on: binds the group to the GPU (eager NCCL set-up)
         log.info(f"Initializing distributed: GLOBAL_RANK: {global_rank}, MEMBER: {global_rank + 1}/{world_size}")
         dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)
-        atexit.register(_destroy_process_group)
         rank_zero_info(f"{type(self).__name__}: {world_size} processes joined over {backend}.")
 
     def select_process_group_backend(self) -> str:

@@ -544,7 +544,7 @@ def test_loaders_that_are_not_dealt_may_differ_in_class_between_ranks(tmp_path: 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
 @pytest.mark.parametrize(
     "kind",
-    ["ddp", "ddp_zero", "ddp_zero_popen", "ddp_module_group", "ddp_failing"]
+    ["ddp", "ddp_zero", "ddp_zero_popen", "ddp_module_group", "ddp_failing", "ddp_own_init_popen"]
     + [pytest.param(kind, marks=needs_fairscale) for kind in ("sharded", "sharded_16_mixed", "sharded_16_mixed_popen")],
 )
 def test_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_path: Path) -> None:
@@ -552,7 +552,8 @@ def test_ranks_leave_no_gloo_thread_to_interpreter_finalisation(kind: str, tmp_p
     aborts the rank (SIGABRT, "terminate called without an active exception": rank 1 of a sharded "16-mixed" fit,
     in CI). Each piece of the exit clean-up has cases that fail without it:
 
-    * CustomDDP's exit handler: ``ddp``;
+    * CustomDDP's exit handler: ``ddp``; registered also when an override of ``init_ddp_connection`` makes the
+      group without ``super()``: ``ddp_own_init_popen``;
     * its dropping of the finished spawn target's arguments (the trainer): ``ddp_module_group``, whose
       LightningModule keeps the default group;
     * each strategy letting go of the groups its model wrapper, optimizers and scaler hold: ``ddp_zero_popen``

@@ -8,7 +8,8 @@ other (atexit runs last-in first-out). Thread names come from ``/proc`` (Linux).
 
 Usage: python exit_threads.py OUT_DIR KIND, KIND one of ddp, ddp_zero (torch's ZeroRedundancyOptimizer),
 ddp_module_group (the LightningModule keeps the default group for collectives of its own),
-ddp_failing (rank 1 raises in its third step; only that rank's files are written), sharded, sharded_16_mixed
+ddp_failing (rank 1 raises in its third step; only that rank's files are written), ddp_own_init (a subclass whose
+init_ddp_connection makes the group without super()), sharded, sharded_16_mixed
 (fairscale with a ShardedGradScaler), each spawned, or with ``_popen`` appended: the popen launcher, which runs
 this file again for rank 1 (and whose script keeps the trainer to the end).
 """
@@ -73,8 +74,19 @@ class Linear(pl.LightningModule):
         write_thread_names("during")
 
 
+class OwnInitDDP(CustomDDP):
+    """Makes the default group itself, without ``super()``, as docs/guides/subclassing.rst's FileRendezvousDDP."""
+
+    def init_ddp_connection(self, global_rank: int, world_size: int) -> None:
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(
+                "gloo", init_method=f"file://{OUT / 'rendezvous'}", rank=global_rank, world_size=world_size
+            )
+
+
 if __name__ == "__main__":
-    strategy = (CustomDDPSharded if KIND.startswith("sharded") else CustomDDP)(start_method="popen" if POPEN else "spawn")
+    strategy_class = CustomDDPSharded if KIND.startswith("sharded") else OwnInitDDP if "own_init" in KIND else CustomDDP
+    strategy = strategy_class(start_method="popen" if POPEN else "spawn")
     # "16-mixed" by name is bf16 on CPU: the plugin keeps float16 and its gradient scaler
     plugins = [MixedPrecision("16-mixed", "cpu")] if "16_mixed" in KIND else []
     trainer = pl.Trainer(
