@@ -51,7 +51,7 @@ from lightning_ddp_ext.samplers import (
     _check_seed,
     _check_shuffle_window,
 )
-from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch
+from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _per_sample
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
 
@@ -108,6 +108,19 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
     if requested is not None:
         return requested
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _no_sample_dimension(values: Any) -> Exception:
+    """The error for ``values`` without ``len()``: sync's own for a 0-dim tensor, else a TypeError."""
+    if isinstance(values, torch.Tensor):
+        try:
+            _per_sample(values, 0)
+        except ValueError as error:
+            return error
+    return TypeError(
+        f"gather_in_order: values must be a tensor whose first dim runs over samples or a sequence (with len()) of"
+        f" per-sample objects, got {type(values).__name__}"
+    )
 
 
 def _destroy_process_group() -> None:
@@ -188,6 +201,16 @@ _STRATEGIES_SET_UP: "weakref.WeakSet[CustomDDP]" = weakref.WeakSet()
 #: Wrappers holding a resume skip that no training iteration has taken yet, with the id of the strategy that set
 #: it (see `_prepare_first_epoch`).
 _PENDING_SKIPS: "weakref.WeakKeyDictionary[_Wrapper, int]" = weakref.WeakKeyDictionary()
+
+
+def _record_yielded_in_evaluation(wrapper: Optional[_Wrapper], training: bool) -> None:
+    """Have ``wrapper`` keep what it yields in evaluation, for ``evaluated_indices()`` (evaluation shares are small, a
+    training epoch may not be). A loader its user dealt may serve both: training wins, whichever was set up first."""
+    if wrapper is None:
+        return
+    if training:
+        _TRAINING_WRAPPERS.add(wrapper)
+    wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
 
 
 def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
@@ -853,12 +876,15 @@ class CustomDDP(DDPStrategy):
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and not self._loops_restored(trainer):
             self._trained_loader_set_up_before_restore = True  # see load_optimizer_state_dict
-        if trainer is None or not self._replace_samplers:
+        if trainer is None:
             return dataloader
         stage = trainer.state.stage
         if stage == RunningStage.PREDICTING:
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
         training = stage == RunningStage.TRAINING
+        if not self._replace_samplers:  # used as they are; one its user dealt with our wrapper still records
+            _record_yielded_in_evaluation(_wrapper_of(dataloader), training)
+            return dataloader
         try:
             overfitting = training and getattr(trainer, "overfit_batches", 0) > 0  # set by Lightning's debugging flags
             patched = self._patch(dataloader, training, overfitting)
@@ -880,10 +906,7 @@ class CustomDDP(DDPStrategy):
         # and checked as if we had dealt it.
         loader = patched if patched is not None else dataloader
         wrapper = _wrapper_of(loader)
-        if wrapper is not None:  # for evaluated_indices(): evaluation shares are small, a training epoch may not be
-            if training:  # a loader its user dealt may serve both: training wins, whichever was set up first
-                _TRAINING_WRAPPERS.add(wrapper)
-            wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
+        _record_yielded_in_evaluation(wrapper, training)
         if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split, or not a DataLoader
             return loader
         if wrapper is not None and not training and not wrapper.even_shares:
@@ -1238,15 +1261,19 @@ class CustomDDP(DDPStrategy):
         indices = self.evaluated_indices(dataloader_idx)
         evaluated = self._evaluated_samples(dataloader_idx)
         problem = None
+        try:
+            given = len(values)
+        except TypeError:  # a 0-dim tensor, an iterator: raised on every rank, by the exchange, not here alone
+            return _gather_in_order(values, indices, problem=_no_sample_dimension(values))
         if evaluated is None:  # not known (inside a batch, a dataloader_iter step): as many as values has
-            evaluated = len(values)
-        elif len(values) != evaluated:
+            evaluated = given
+        elif given != evaluated:
             hint = _PER_BATCH_HINT if _looks_per_batch(values, evaluated) else (
                 "pass one value per evaluated sample (row), from every batch, in the order the batches came: values"
                 " that leave out a batch would be filed under the wrong indices"
             )
             problem = ValueError(
-                f"gather_in_order got {len(values)} values for evaluation loader {dataloader_idx}, but this rank"
+                f"gather_in_order got {given} values for evaluation loader {dataloader_idx}, but this rank"
                 f" evaluated {evaluated} samples of it in this run; {hint}"
             )
         count = min(evaluated, len(indices))  # fewer batches than dealt (sanity check, limits) or padding left out

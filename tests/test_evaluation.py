@@ -167,10 +167,12 @@ def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_to
 class CarelessEmbedder(UnchangedByTraining, Embedder):
     """Gathers the outputs of its one loader as asked: ``"per_batch"`` forgets ``torch.cat``, ``"skipped_batch"``
     records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit, ``"two_epochs"`` after
-    each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself,
+    each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself (and
+    ``"user_dealt_unreplaced"`` the same under ``Trainer(use_distributed_sampler=False)``),
     ``"user_batched"`` from one it dealt by index and batched with torch's plain ``BatchSampler`` given as
     ``batch_sampler=``, ``"user_sharded"`` from one with that ``BatchSampler`` over torch's ``DistributedSampler``,
-    ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator."""
+    ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator, ``"zero_dim"`` with rank 1's
+    values a 0-dim tensor."""
 
     def __init__(self, out_dir: str, case: str) -> None:
         super().__init__(out_dir)
@@ -200,6 +202,8 @@ class CarelessEmbedder(UnchangedByTraining, Embedder):
     def on_validation_epoch_end(self) -> None:
         outputs, self.outputs[0] = self.outputs[0], []
         values = outputs if self.case == "per_batch" else torch.cat(outputs)
+        if self.case == "zero_dim" and self.global_rank == 1:
+            values = values[0, 0]  # one rank's values squeezed down to a 0-dim tensor, which has no len()
         strategy: Any = self.trainer.strategy
         gathered = strategy.gather_in_order(values)
         self.reports.append({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
@@ -225,10 +229,12 @@ class TwoBatchesAStep(CarelessEmbedder):
         ("sanity", None),
         ("two_epochs", None),
         ("user_dealt", None),
+        ("user_dealt_unreplaced", None),
         ("user_batched", None),
         ("user_sharded", None),
         ("dataloader_iter", None),
         ("shared", "is a training loader too, so it does not keep what it yields"),
+        ("zero_dim", "rank 1: gather_in_order needs values with a sample dimension, got a 0-dim tensor"),
     ],
 )
 def test_strategy_gather_checks_values_against_the_evaluated_batches(
@@ -256,12 +262,19 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
         runs = 2 if case == "two_epochs" else 1
         trainer.fit(model, loader, plain if case == "two_epochs" else loader)
     else:
-        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0))
+        unreplaced = {"use_distributed_sampler": False} if case == "user_dealt_unreplaced" else {}
+        trainer = pl.Trainer(
+            strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0, **unreplaced)
+        )
+        if case == "zero_dim":  # found by one rank before the exchange: raised on every rank, not left waiting
+            with pytest.raises(Exception, match=error):
+                trainer.validate(model, loader)
+            return
         if error is not None:
             with pytest.raises(Exception, match=f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"):
                 trainer.validate(model, loader)
             return
-        if case in ("user_dealt", "user_batched", "user_sharded"):
+        if case in ("user_dealt", "user_dealt_unreplaced", "user_batched", "user_sharded"):
             trainer.validate(model)
             batches_a_run = 5
         else:
