@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Generator, List, Literal, Mapping, Optio
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -361,6 +362,8 @@ class CustomDDP(DDPStrategy):
         self._restored = self._trained_loader_set_up_before_restore = self._restarting_left_over = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
         self._prepared_with: Dict[int, _Plan] = {}
+        #: The number of ranks that wrote the checkpoint last loaded (None: not recorded, see `save_checkpoint`).
+        self._checkpoint_world_size: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
         #: The parameters of the module last given to `configure_ddp`, and which of them required grad then.
         self._wrapped_parameters: List[Parameter] = []
@@ -1021,18 +1024,23 @@ class CustomDDP(DDPStrategy):
     def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> int:
         """Items the first iteration read during training, of a fit resumed ``done`` batches into ``epoch``, skips;
         said on rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint
-        written during validation: that iteration skips nothing, and the skip waits for one read in training."""
+        written during validation: that iteration skips nothing, and the skip waits for one read in training.
+        ``done`` counts each rank's batches on the ranks that wrote the checkpoint (see :meth:`_done_on_this_world`)."""
         if trainer.state.stage != RunningStage.TRAINING:
             self._arm_skip(trainer, loader, wrapper, epoch, done)
             return 0
         _PENDING_SKIPS.pop(wrapper, None)  # taken
         name, source, batches = type(self).__name__, type(wrapper.source).__name__, len(loader)
+        old_world, moved = self._checkpoint_world_size, False
+        if old_world is not None and old_world != self.world_size:
+            done, moved = self._done_on_this_world(wrapper, epoch, done, old_world), True
         if done < batches:
-            rank_zero_info(
-                f"{name}: resuming mid-epoch, {source} skips the {done} batch(es) of epoch {epoch} trained"
-                " before the checkpoint (so Lightning's warning that the dataloader is not resumable does not apply"
-                " to it)."
-            )
+            if not moved:  # else the warning said what the skip misses
+                rank_zero_info(
+                    f"{name}: resuming mid-epoch, {source} skips the {done} batch(es) of epoch {epoch} trained"
+                    " before the checkpoint (so Lightning's warning that the dataloader is not resumable does not"
+                    " apply to it)."
+                )
             return _items_in(done, loader, wrapper)
         mode = _compat.training_loader_mode(trainer)
         said = (
@@ -1046,6 +1054,33 @@ class CustomDDP(DDPStrategy):
         done %= max(1, batches)
         rank_zero_info(f"{said} it restarted when it ran out, so it skips the {done} batch(es) of its current pass.")
         return _items_in(done, loader, wrapper)
+
+    def _done_on_this_world(self, wrapper: _Wrapper, epoch: int, done: int, old_world: int) -> int:
+        """The batches of ``epoch`` each rank skips after a checkpoint that ``old_world`` ranks wrote ``done`` batches
+        into it; a warning says what that costs. Those ranks trained the first ``done * old_world`` positions of the
+        dealt sequence: the shares start again after them, rounded down to a whole round of this run's ranks."""
+        world, trained = self.world_size, done * old_world
+        skip = trained // world
+        untrained = done - skip  # per rank: Lightning runs the epoch's steps left after `done`
+        said = (
+            f"{type(self).__name__}: resuming mid-epoch from a checkpoint that {old_world} rank(s) wrote, on {world}:"
+            f" they trained the first {trained} batch(es) of epoch {epoch} ({done} each), so each rank skips its"
+            f" first {skip} batch(es) of the epoch, and {trained - skip * world} batch(es) are trained twice."
+            f" Lightning goes on counting the epoch's steps from the checkpoint's {done}, so"
+        )
+        said += (
+            f" each rank's last {untrained} batch(es) of epoch {epoch} ({untrained * world} in all) are not trained."
+            if untrained > 0
+            else " the epoch ends early, when the loader runs out, and no batch of it is left untrained."
+        )
+        if wrapper.shuffle:
+            said += (
+                " The batches are shuffled, and the order they are dealt in depends on the number of ranks (windows"
+                " of shuffle_window * W batches, padding to a multiple of W): the skip is approximate, some batches"
+                " of this epoch are trained twice and others not at all."
+            )
+        rank_zero_warn(said)
+        return skip
 
     def _warn_unsharded(self, dataloader: object, stage: Optional[RunningStage]) -> None:
         kind = type(dataloader).__name__
@@ -1088,6 +1123,21 @@ class CustomDDP(DDPStrategy):
             self._verified_train_epoch = trainer.current_epoch
             self._verify(RunningStage.TRAINING)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Save ``checkpoint`` with the number of ranks, which a fit resumed mid-epoch on another number needs."""
+        recorded = {**checkpoint, "lightning_ddp_ext": {"world_size": self.world_size}}
+        super().save_checkpoint(recorded, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """Load the checkpoint and remember how many ranks wrote it (None when it does not say)."""
+        checkpoint: Dict[str, Any] = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._checkpoint_world_size = (checkpoint.get("lightning_ddp_ext") or {}).get("world_size")
+        return checkpoint
 
     def _loops_restored(self, trainer: Trainer) -> bool:
         """Whether a checkpoint has restored the fit loop in this run: :meth:`load_optimizer_state_dict` ran, or

@@ -29,6 +29,7 @@ from reliability_common import (  # noqa: E402
     STARTUP_SLACK_S,
     FaultyRecorder,
     PKBatches,
+    WeightRecorder,
     describe,
     free_port,
     job_env,
@@ -449,6 +450,134 @@ def test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_
         whole, resumed = (resume_edge_runs[run][rank]["seen"] for run in ("validating", "validating_resumed"))
         assert resumed["train/only"] == whole["train/only"][2:], f"rank {rank}: trained {resumed['train/only']}"
         assert resumed["val/only"] == whole["val/only"], f"rank {rank}: validated {resumed['val/only']}"
+
+
+# ------------------------------------------------------------------------------------------------ resume, other world
+OTHER_WORLD_BATCHES, OTHER_WORLD_STEP = 12, 3  # as in scripts/reliability_resume_other_world.py
+# The batches of each rank Lightning counts as done at the step-3 checkpoint: without restart stages (2.2) it
+# re-runs the batch whose on_train_batch_end wrote the checkpoint (with any sampler), and does not count it.
+OTHER_WORLD_DONE = OTHER_WORLD_STEP - (0 if hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1)
+OTHER_WORLD_TIMEOUT_S = 2 * TEST_TIMEOUT_S  # two jobs, one after the other
+
+
+def run_other_world_script(out: Path, first: int, resumed: int) -> Dict[str, Any]:
+    """Phase ``first`` on ``first`` ranks, then phase ``resumed`` on ``resumed``: each rank's report per run."""
+    for phase, devices in (("first", first), ("resumed", resumed)):
+        command = [sys.executable, str(SCRIPTS / "reliability_resume_other_world.py"), str(out), phase, str(devices)]
+        (code, log), = finish_jobs({phase: start_job(command, out, job_env(), phase)}, out).values()
+        assert code == 0, log[-4000:]
+    ranks = {"first": first, "first_shuffled": first, "resumed": resumed, "resumed_shuffled": resumed,
+             "resumed_legacy": resumed}
+    runs: Dict[str, Any] = {run: [read_json(out / run / f"rank{r}.json") for r in range(n)] for run, n in ranks.items()}
+    return {**runs, "out": out}
+
+
+@pytest.fixture(scope="module")
+def one_to_two(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    return run_other_world_script(tmp_path_factory.mktemp("one_to_two"), 1, 2)
+
+
+@pytest.fixture(scope="module")
+def two_to_one(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    return run_other_world_script(tmp_path_factory.mktemp("two_to_one"), 2, 1)
+
+
+def resume_warnings(report: Dict[str, Any]) -> List[str]:
+    return [line for line in report["facts"]["warnings"] if "resuming mid-epoch from a checkpoint that" in line]
+
+
+@pytest.mark.timeout(OTHER_WORLD_TIMEOUT_S)
+def test_a_mid_epoch_checkpoint_of_one_rank_resumes_on_two_right_after_the_batches_it_trained(
+    one_to_two: Dict[str, Any]
+) -> None:
+    """One rank trained batches 0-2 of 12 before the checkpoint (2.2 counts 0-1, see OTHER_WORLD_DONE). On two
+    ranks, each skips done // 2 batches of its share: they start at batch 2, not at 2 * done (which would never
+    train batches 3-5). Lightning runs the 6 - done steps left in its count, so the last batches go untrained,
+    and a warning says how many."""
+    done = OTHER_WORLD_DONE
+    expected = {3: [[[2], [4], [6]], [[3], [5], [7]]], 2: [[[2], [4], [6], [8]], [[3], [5], [7], [9]]]}[done]
+    for rank in range(2):
+        trained = batches_by_epoch(one_to_two["resumed"][rank])
+        assert trained[0] == expected[rank], f"rank {rank}"
+        assert trained[1] == [[i] for i in range(rank, OTHER_WORLD_BATCHES, 2)], f"rank {rank}"
+    trained_before, skip, twice, untrained, in_all = {3: (3, 1, 1, 2, 4), 2: (2, 1, 0, 1, 2)}[done]
+    said = resume_warnings(one_to_two["resumed"][0])
+    assert len(said) == 1, one_to_two["resumed"][0]["facts"]["warnings"]
+    assert (
+        f"checkpoint that 1 rank(s) wrote, on 2: they trained the first {trained_before} batch(es) of epoch 0"
+        f" ({done} each), so each rank skips its first {skip} batch(es) of the epoch, and {twice} batch(es) are"
+        f" trained twice. Lightning goes on counting the epoch's steps from the checkpoint's {done}, so each rank's"
+        f" last {untrained} batch(es) of epoch 0 ({in_all} in all) are not trained." in said[0]
+    ), said
+    assert "approximate" not in said[0]
+    assert not any("does not apply" in line for line in one_to_two["resumed"][0]["facts"]["info"])
+
+
+@pytest.mark.timeout(OTHER_WORLD_TIMEOUT_S)
+def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once(
+    two_to_one: Dict[str, Any]
+) -> None:
+    """Two ranks trained batches 0 to 2 * done - 1 before the checkpoint; one rank trains all the others, once
+    each, and the epoch ends when its loader runs out (before Lightning's count of steps)."""
+    done = OTHER_WORLD_DONE
+    before = [b for rank in range(2) for b in batches_by_epoch(two_to_one["first"][rank])[0][:done]]
+    trained = batches_by_epoch(two_to_one["resumed"][0])
+    assert trained[0] == [[i] for i in range(2 * done, OTHER_WORLD_BATCHES)]
+    assert sorted(before + trained[0]) == [[i] for i in range(OTHER_WORLD_BATCHES)], "a batch skipped or repeated"
+    assert trained[1] == [[i] for i in range(OTHER_WORLD_BATCHES)]
+    said = resume_warnings(two_to_one["resumed"][0])
+    assert len(said) == 1, two_to_one["resumed"][0]["facts"]["warnings"]
+    assert (
+        f"checkpoint that 2 rank(s) wrote, on 1: they trained the first {2 * done} batch(es) of epoch 0 ({done}"
+        f" each), so each rank skips its first {2 * done} batch(es) of the epoch, and 0 batch(es) are trained"
+        " twice. Lightning goes on counting the epoch's steps from the checkpoint's"
+        f" {done}, so the epoch ends early, when the loader runs out, and no batch of it is left untrained." in said[0]
+    ), said
+    assert not any("does not apply" in line for line in two_to_one["resumed"][0]["facts"]["info"])
+
+
+@pytest.mark.timeout(OTHER_WORLD_TIMEOUT_S)
+@pytest.mark.parametrize("runs,old,new", [("one_to_two", 1, 2), ("two_to_one", 2, 1)])
+def test_a_shuffled_mid_epoch_resume_on_another_number_of_ranks_skips_as_unshuffled_and_says_it_is_approximate(
+    request: pytest.FixtureRequest, runs: str, old: int, new: int
+) -> None:
+    """The same number of this rank's batches is skipped as without shuffling, of this number of ranks' dealt
+    order (shuffle_window=2: windows of 2 * W batches), which differs from the order the checkpoint's ranks
+    trained in: the warning says the skip is approximate."""
+    reports, done = request.getfixturevalue(runs)["resumed_shuffled"], OTHER_WORLD_DONE
+    skip = done * old // new
+    for rank in range(new):
+        wrapper = DistributedBatchSamplerWrapper(
+            [[i] for i in range(OTHER_WORLD_BATCHES)], num_replicas=new, rank=rank, shuffle=True, seed=11,
+            shuffle_window=2,
+        )
+        share = [list(b) for b in wrapper]
+        assert batches_by_epoch(reports[rank])[0] == share[skip:][: len(share) - done], f"rank {rank}"
+    said = resume_warnings(reports[0])
+    assert len(said) == 1 and f"so each rank skips its first {skip} batch(es)" in said[0], said
+    assert "the skip is approximate, some batches of this epoch are trained twice and others not at all" in said[0]
+
+
+@pytest.mark.timeout(OTHER_WORLD_TIMEOUT_S)
+@pytest.mark.parametrize("runs,old,new", [("one_to_two", 1, 2), ("two_to_one", 2, 1)])
+def test_checkpoints_record_the_number_of_ranks_and_load_as_lightning_checkpoints(
+    request: pytest.FixtureRequest, runs: str, old: int, new: int, tmp_path: Path
+) -> None:
+    """The number of ranks is a top-level key that LightningModule.load_from_checkpoint ignores. A checkpoint
+    without it (an earlier version's) resumes as before: each rank skips the checkpoint's count of its batches."""
+    results = request.getfixturevalue(runs)
+    path = results["out"] / "checkpoints" / "first" / f"step={OTHER_WORLD_STEP}.ckpt"
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    assert checkpoint["lightning_ddp_ext"] == {"world_size": old}
+    model = WeightRecorder.load_from_checkpoint(path, out_dir=str(tmp_path))
+    assert_same_weights(model.state_dict(), checkpoint["state_dict"])
+    done = OTHER_WORLD_DONE
+    for rank in range(new):
+        trained = batches_by_epoch(results["resumed_legacy"][rank])[0]
+        assert trained == [[i] for i in range(rank, OTHER_WORLD_BATCHES, new)][done:], f"rank {rank}"
+    assert not resume_warnings(results["resumed_legacy"][0])
+    said = f"skips the {done} batch(es) of epoch 0 trained before the checkpoint"
+    assert any(said in line for line in results["resumed_legacy"][0]["facts"]["info"])
 
 
 # ------------------------------------------------------------------------------------------------ multi-node
