@@ -200,7 +200,14 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     # ------------------------------------------------------------------ sizes
     def _declared_length(self) -> int:
-        length = len(self.source)  # type: ignore[arg-type]
+        try:
+            length = len(self.source)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError) as error:  # how "not sized" is said (IterableDataset-like classes)
+            raised = type(error).__name__ + (f" ({error})" if str(error) else "")
+            raise TypeError(
+                f"len() of {self._source_name} raised {raised}. Every rank must know the number of items in advance"
+                " to take equal shares: make __len__ return how many items one epoch yields."
+            ) from error
         if length < 1:
             raise _nothing_to_deal(self._source_name, self.num_replicas)
         return length

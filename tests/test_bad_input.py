@@ -134,6 +134,17 @@ def test_a_sized_object_that_cannot_be_iterated_is_refused_at_construction() -> 
         DistributedBatchSamplerWrapper(LengthOnly(), num_replicas=WORLD, rank=0)
 
 
+@pytest.mark.parametrize("raised", [NotImplementedError(), TypeError("not sized")])
+def test_a_len_that_raises_is_explained(raised: Exception) -> None:
+    class UnsizedBatches(Batches):
+        def __len__(self) -> int:
+            raise raised
+
+    said = re.escape(type(raised).__name__ + (f" ({raised})" if str(raised) else ""))
+    with pytest.raises(TypeError, match=rf"len\(\) of UnsizedBatches raised {said}\. Every rank must know"):
+        DistributedBatchSamplerWrapper(UnsizedBatches([[0], [1]]), num_replicas=WORLD, rank=0)
+
+
 def test_one_shot_generator_as_index_sampler_is_refused_at_construction() -> None:
     loader = DataLoader(range(6), batch_size=2, sampler=(i for i in range(6)))
     with pytest.raises(TypeError, match="DistributedSamplerWrapper needs an iterable with __len__, got generator"):
