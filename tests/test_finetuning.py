@@ -206,12 +206,15 @@ class ManualFineTuned(FineTuned):
         optimizer.zero_grad()  # type: ignore[union-attr]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(
+needs_static_graph_flush = pytest.mark.skipif(
     Version(lightning.__version__) < Version("2.6.0"),
     reason="Lightning before 2.6.0 does not synchronise the first step of manual optimization with"
     " static_graph=True at all, re-wrapped or not (Lightning #21251)",
 )
+
+
+@pytest.mark.timeout(300)
+@needs_static_graph_flush
 def test_manual_optimization_with_static_graph_across_re_wraps(tmp_path: Path) -> None:
     """Fails without letting Lightning flush the first static-graph iteration of each new wrapper: that step's
     gradients are not all-reduced, and the ranks drift apart (by 0.1 here)."""
@@ -220,11 +223,7 @@ def test_manual_optimization_with_static_graph_across_re_wraps(tmp_path: Path) -
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(
-    Version(lightning.__version__) < Version("2.6.0"),
-    reason="Lightning before 2.6.0 does not synchronise the first step of manual optimization with"
-    " static_graph=True at all (Lightning #21251)",
-)
+@needs_static_graph_flush
 def test_manual_optimization_with_static_graph_in_a_second_fit_of_the_same_ranks(tmp_path: Path) -> None:
     """Under popen the ranks and the strategy live on between fits: Lightning's once-per-strategy flag for the first
     static-graph iteration must start again with the wrapper the second fit builds, or that step's gradients are
