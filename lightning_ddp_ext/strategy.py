@@ -1452,8 +1452,12 @@ class CustomDDP(DDPStrategy):
             log.error(f"{type(self).__name__}: rank {self.global_rank} failed; ended the {killed} rank(s) it launched.")
         message = str(exception)
         if "Expected to have finished reduction in the prior iteration" in message:
+            popen = self._start_method == "popen"  # the one start method that has a registered name for this
             exception.args = (
                 message + "\nYour LightningModule has parameters that did not contribute to the loss. If that is"
-                " intended, use strategy='ddp_custom_sampler_find_unused_parameters_true' or"
-                f" {type(self).__name__}(find_unused_parameters=True).",
+                " intended, use "
+                + ("strategy='ddp_custom_sampler_find_unused_parameters_true' or " if popen else "")
+                + f"{type(self).__name__}(find_unused_parameters=True"
+                + ("" if popen else f", start_method={self._start_method!r}")
+                + ").",
             ) + exception.args[1:]

@@ -767,3 +767,17 @@ def test_a_wrapper_under_torchdata_s_batch_sampler_is_found() -> None:
     batches = stateful.sampler.BatchSampler(wrapper, batch_size=2, drop_last=False)
     assert _wrapper_of(stateful.StatefulDataLoader(range(8), batch_sampler=batches)) is wrapper
     assert _wrapper_of(stateful.StatefulDataLoader(range(8), sampler=wrapper, batch_size=2)) is wrapper
+
+
+@pytest.mark.parametrize(
+    "start_method,advice",
+    [
+        ("popen", "='ddp_custom_sampler_find_unused_parameters_true' or CustomDDP(find_unused_parameters=True)."),
+        ("spawn", "use CustomDDP(find_unused_parameters=True, start_method='spawn')."),
+    ],
+)
+def test_the_unused_parameters_error_gets_advice_for_the_start_method_in_use(start_method: str, advice: str) -> None:
+    """DDP's "Expected to have finished reduction" gets what to change; only popen has a registered name for it."""
+    error = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
+    CustomDDP(start_method=start_method).on_exception(error)
+    assert str(error).startswith("Expected to have finished reduction") and str(error).endswith(advice), str(error)
