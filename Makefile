@@ -32,7 +32,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
 
-## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes, exit clean-up, failure reports, the sharded scaler) against the lowest supported Lightning
+## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes (also on another number of ranks), exit clean-up, failure reports, the sharded scaler) against the lowest supported Lightning
 RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
 	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch \
 	test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run \
@@ -41,7 +41,9 @@ RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_
 	test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a_warning_says_so \
 	test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_fit \
 	test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes \
-	test_ranks_leave_no_gloo_thread_to_interpreter_finalisation test_spawn_a_failing_rank_ends_the_whole_job)
+	test_ranks_leave_no_gloo_thread_to_interpreter_finalisation test_spawn_a_failing_rank_ends_the_whole_job \
+	test_a_mid_epoch_checkpoint_of_one_rank_resumes_on_two_right_after_the_batches_it_trained \
+	test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once)
 # Lightning 2.2 makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
 # and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
 SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \
