@@ -16,10 +16,10 @@ import os
 import weakref
 import zlib
 from contextlib import contextmanager, nullcontext
-from functools import partial
+from functools import cache, partial
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Callable, Dict, Generator, List, Literal, Mapping, Optional, Union
+from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from lightning_ddp_ext.samplers import (
     _check_seed,
     _check_shuffle_window,
 )
-from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _per_sample
+from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
 
@@ -111,19 +111,6 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _no_sample_dimension(values: Any) -> Exception:
-    """The error for ``values`` without ``len()``: sync's own for a 0-dim tensor, else a TypeError."""
-    if isinstance(values, torch.Tensor):
-        try:
-            _per_sample(values, 0)
-        except ValueError as error:
-            return error
-    return TypeError(
-        f"gather_in_order: values must be a tensor whose first dim runs over samples or a sequence (with len()) of"
-        f" per-sample objects, got {type(values).__name__}"
-    )
-
-
 def _destroy_process_group() -> None:
     """Destroy the default process group before the interpreter shuts down.
 
@@ -144,15 +131,11 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-_EXIT_HANDLER: List[Callable[[], None]] = []  # registered with atexit in this process, once
-
-
+@cache  # once per process
 def _destroy_process_group_at_exit() -> None:
     """Have :func:`_destroy_process_group` run at exit, once per process: registered by ``setup_distributed``
     whenever the strategy's ``init_ddp_connection`` made the default group, the default one or an override."""
-    if not _EXIT_HANDLER:
-        atexit.register(_destroy_process_group)
-        _EXIT_HANDLER.append(_destroy_process_group)
+    atexit.register(_destroy_process_group)
 
 
 def _release_strategies_groups() -> None:
@@ -1313,8 +1296,12 @@ class CustomDDP(DDPStrategy):
         problem = None
         try:
             given = len(values)
-        except TypeError:  # a 0-dim tensor, an iterator: raised on every rank, by the exchange, not here alone
-            return _gather_in_order(values, indices, problem=_no_sample_dimension(values))
+        except TypeError:  # raised on every rank by the exchange, not here alone; a 0-dim tensor by sync's check
+            not_sequence = TypeError(
+                "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence (with len())"
+                f" of per-sample objects, got {type(values).__name__}"
+            )
+            return _gather_in_order(values, indices, problem=None if isinstance(values, torch.Tensor) else not_sequence)
         if evaluated is None:  # not known (inside a batch, a dataloader_iter step): as many as values has
             evaluated = given
         elif given != evaluated:
