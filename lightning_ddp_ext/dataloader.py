@@ -265,10 +265,16 @@ def patch_dataloader_to_ddp(
 
 
 def _patch(
-    loader: DataLoader, num_replicas: Optional[int], rank: Optional[int], options: Dict[str, Any], keep_class: bool
+    loader: DataLoader,
+    num_replicas: Optional[int],
+    rank: Optional[int],
+    options: Dict[str, Any],
+    keep_class: bool,
+    owner: str = _OWNER,
 ) -> DataLoader:
     """:func:`patch_dataloader_to_ddp`; ``keep_class=False`` returns a plain DataLoader for a subclass too, for a
-    caller that rebuilds the class itself (``CustomDDP``, from Lightning's record of the loader's arguments)."""
+    caller that rebuilds the class itself (``CustomDDP``, from Lightning's record of the loader's arguments).
+    ``owner`` names that caller in the warnings: the user of a strategy never called this function."""
     unknown = set(options) - set(WRAPPER_OPTIONS)
     if unknown:
         raise TypeError(
@@ -288,15 +294,16 @@ def _patch(
     given = num_replicas is not None or rank is not None
     resolved = _resolve_world(num_replicas, rank, _OWNER) if given else None
     if isinstance(loader.dataset, IterableDataset):
+        unchanged = "the loader is returned unchanged" if owner == _OWNER else "every rank iterates the loader whole"
         _warn_once(
-            f"patch_dataloader_to_ddp: {type(loader.dataset).__name__} is an IterableDataset; the loader is returned"
-            " unchanged. An iterable dataset must shard itself (read torch.distributed.get_rank() and"
-            " torch.utils.data.get_worker_info() in its __iter__)."
+            f"{owner}: {type(loader.dataset).__name__} is an IterableDataset; {unchanged}. An iterable dataset must"
+            " shard itself (read torch.distributed.get_rank() and torch.utils.data.get_worker_info() in its"
+            " __iter__)."
         )
         return loader
     if resolved is None and not (dist.is_available() and dist.is_initialized()):
         _warn_once(
-            "patch_dataloader_to_ddp: no process group is initialised and no num_replicas/rank were given, so the"
+            f"{owner}: no process group is initialised and no num_replicas/rank were given, so the"
             " loader is returned unchanged (single-process run). Initialise torch.distributed first, or pass"
             " num_replicas and rank."
         )
@@ -306,7 +313,7 @@ def _patch(
     world, own_rank = resolved or _resolve_world(None, None, _OWNER)
     fork_risk = _fork_deadlock_warning(loader)
     if fork_risk is not None and world > 1:
-        _warn_once(f"patch_dataloader_to_ddp: {fork_risk}")
+        _warn_once(f"{owner}: {fork_risk}")
     wrapper_kwargs = dict(options, num_replicas=world, rank=own_rank)
     if wrapper_kwargs.get("shuffle", False) is None:  # "as the loader does": the wrappers' default, no permutation
         del wrapper_kwargs["shuffle"]

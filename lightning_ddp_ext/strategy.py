@@ -923,7 +923,7 @@ class CustomDDP(DDPStrategy):
         if empty:
             return dataloader
         world, rank = options.pop("num_replicas", None), options.pop("rank", None)
-        patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False)  # the class: below
+        patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False, owner=type(self).__name__)
         if patched is dataloader:
             return None
         if unshuffled_for_overfitting:
