@@ -898,11 +898,15 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         num_replicas: number of ranks W; defaults to the world size of the default process group.
         rank: this rank; defaults to the rank in the default process group.
         shuffle: permute the batch order before dealing, seeded by ``seed + epoch`` (same on every rank).
-        seed: base seed of that permutation, an integer in ``[-2**63, 2**63 - 1]``.
+        seed: base seed of that permutation, an integer in ``[-2**63, 2**63 - 1]``. Seeds that differ by a
+            multiple of ``2**32`` shuffle alike: torch's CPU generator keeps the low 32 bits (as for
+            ``DistributedSampler``).
         pad: True repeats batches from the start of the epoch's sequence so every rank gets
             ``ceil(len / W)`` batches; False drops the incomplete last round (``len // W`` each). When
             shuffling, the ``len % W`` batches dropped are drawn by the shuffle, anew each epoch: from the whole
-            epoch, or with ``shuffle_window`` from the last window, which the cut tail joins.
+            epoch, or with ``shuffle_window`` from the last window, which the cut tail joins. Padding comes
+            before the shuffle: the repeats are the sequence's first batches, dealt wherever the shuffle puts
+            them (torch's ``DistributedSampler`` repeats the first of the shuffled order instead).
         shuffle_window: with ``shuffle=True``, permute within consecutive windows of ``shuffle_window * W``
             batches and stream, holding this rank's ``shuffle_window`` batches of a window as the sampler made
             them; None shuffles the whole epoch, which must then be read before the first batch and is stored
