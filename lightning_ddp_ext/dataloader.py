@@ -21,7 +21,7 @@ import inspect
 import multiprocessing
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -132,12 +132,18 @@ def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
     """Samplers that DistributedSampler reproduces exactly: sequential, or a plain permutation, over the
     loader's own dataset (one over another data source draws other indices: it is wrapped like a custom one)."""
     if type(sampler) is SequentialSampler:
-        return sampler.data_source is dataset
+        return _is_own_data(sampler.data_source, dataset)
     if _is_random_permutation(sampler):
         permutation: Any = sampler
         plain = not permutation.replacement and permutation.num_samples == len(dataset)
-        return permutation.data_source is dataset and plain
+        return _is_own_data(permutation.data_source, dataset) and plain
     return False
+
+
+def _is_own_data(data_source: Any, dataset: Any) -> bool:
+    """Whether a default sampler draws from the loader's dataset. DataLoader wraps a ``MapDataPipe`` for pickling
+    (``loader.dataset._datapipe`` is the pipe) but gives its default sampler the pipe itself."""
+    return data_source is dataset or data_source is getattr(dataset, "_datapipe", dataset)
 
 
 def _check_options(options: Dict[str, Any]) -> None:
@@ -201,12 +207,21 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
 
 
 def _carried_arguments(loader: DataLoader) -> Dict[str, Any]:
+    """``loader``'s DataLoader arguments but the sampling ones. Without workers (``num_workers`` may be set to 0
+    after construction, to debug in one process) the settings of workers are left at DataLoader's defaults:
+    they would do nothing, and DataLoader refuses them beside ``num_workers=0``."""
     carried: Dict[str, Any] = {}
     for name in inspect.signature(DataLoader.__init__).parameters:
         if name in _SAMPLING_ARGUMENTS or not hasattr(loader, name):
             continue
         carried[name] = getattr(loader, name)
+    if carried.get("num_workers", 0) == 0:
+        carried.update((name, value) for name, value in _WORKERS_ONLY.items() if name in carried)
     return carried
+
+
+#: DataLoader's arguments that need workers (``num_workers > 0``), with the values it takes without them.
+_WORKERS_ONLY = {"prefetch_factor": None, "persistent_workers": False, "multiprocessing_context": None}
 
 
 def patch_dataloader_to_ddp(
@@ -390,11 +405,13 @@ def _same_class(
         return None, f"its __init__ has no signature: {error}"
     positional: List[Any] = []
     keywords: Dict[str, Any] = {}
+    bound_by_position: Set[str] = set()
     for parameter in parameters:
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:  # passes DataLoader's arguments on
-            keywords.update((name, value) for name, value in known.items() if name not in keywords)
+            unbound = {name: value for name, value in known.items() if name not in bound_by_position}
+            keywords.update((name, value) for name, value in unbound.items() if name not in keywords)
             continue
         name = parameter.name
         if name in known:
@@ -409,6 +426,7 @@ def _same_class(
             return None, f"its argument {name!r} is neither DataLoader's nor kept as an attribute"
         if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
             positional.append(value)
+            bound_by_position.add(name)
         else:
             keywords[name] = value
     needed = [name for name in ("sampler", "batch_sampler") if sampling[name] is not None and name not in keywords]
@@ -424,6 +442,8 @@ def _same_class(
         return None, "it replaced the sharded sampler it was given"
     expected = {"batch_size": None if batched else sampling.get("batch_size", 1)}
     expected["drop_last"] = False if batched else sampling.get("drop_last", False)
+    if carried.get("num_workers", 0) == 0:  # the settings of workers, left at their defaults (_carried_arguments)
+        expected.update(prefetch_factor=None, persistent_workers=False, _DataLoader__multiprocessing_context=None)
     original = {**vars(loader), **expected}
     for name, value in original.items():
         if name in _REBUILT_MAY_DIFFER or name.startswith(_BOOKKEEPING):

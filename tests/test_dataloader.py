@@ -577,6 +577,54 @@ def test_a_dataloader_subclass_keeps_its_class_its_arguments_and_its_iter(how: s
     assert [batch["x"] for batch in patched] == [list(batch) for batch in plain]  # the same share, its own __iter__
 
 
+@pytest.mark.parametrize("cls", [DataLoader, DictBatches])
+def test_a_loader_whose_workers_were_turned_off_after_construction_is_dealt(cls: type) -> None:
+    """``loader.num_workers = 0`` (to debug in one process) leaves the settings of workers on the loader, which
+    DataLoader refuses beside ``num_workers=0``: they are left at their defaults, and a subclass keeps its class."""
+    loader = cls(Squares(), batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context="spawn")
+    loader.num_workers = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)
+    assert type(patched) is cls and patched.num_workers == 0
+    assert patched.prefetch_factor is None and not patched.persistent_workers and patched.multiprocessing_context is None
+    batches = [batch["batch"] if cls is DictBatches else batch for batch in patched]
+    assert [batch.tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19, 21, 23], [25, 27, 29]]
+
+
+class PositionalDataset(DictBatches):
+    """Takes its dataset by position only, and DataLoader's other arguments by keyword."""
+
+    def __init__(self, dataset: Any, /, **kwargs: Any) -> None:
+        super().__init__(dataset, key="positional", **kwargs)
+
+
+def test_a_subclass_taking_its_dataset_by_position_only_keeps_its_class() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # built again, so nothing to warn about
+        patched = patch_dataloader_to_ddp(PositionalDataset(Squares(), batch_size=4), num_replicas=2, rank=0)
+    assert type(patched) is PositionalDataset and isinstance(patched.sampler, DistributedSampler)
+    assert [batch["positional"].tolist() for batch in patched][:2] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+
+
+def test_a_map_datapipe_under_a_default_sampler_is_dealt_like_any_dataset() -> None:
+    """DataLoader wraps a MapDataPipe for pickling but gives its default sampler the pipe itself: still a default
+    sampler, dealt by a seeded DistributedSampler. Wrapped as a custom one, each rank's RandomSampler would draw
+    its own permutation and the shares would overlap."""
+    datapipes = pytest.importorskip("torch.utils.data.datapipes.map")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # datapipes are deprecated in torch
+        loader = DataLoader(datapipes.SequenceWrapper(list(range(10))), batch_size=2, shuffle=True)
+    assert loader.dataset is not loader.sampler.data_source  # the wrapping this is about
+    shares = []
+    for rank in range(2):
+        torch.manual_seed(rank)  # ranks whose global generators differ
+        patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=rank)
+        assert isinstance(patched.sampler, DistributedSampler)
+        shares.append([index for batch in patched for index in batch.tolist()])
+    assert sorted(shares[0] + shares[1]) == list(range(10))
+
+
 class Doubling(DataLoader):
     """Transforms a DataLoader argument on its way: built again from the result, it would double it again."""
 
