@@ -8,7 +8,7 @@ is never seen, and nothing fails. Each wrapper keeps a cheap running :class:`Seq
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -136,23 +136,24 @@ def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any
     gathered = _gather(tuple(digests), group)
     if gathered is None:
         return
-    failed = [(rank, sent) for rank, sent in enumerate(gathered) if isinstance(sent, _Failure)]
+    ranks = _global_ranks(group, len(gathered))  # errors name ranks as the user knows them, also in a subgroup
+    failed = [(rank, sent) for rank, sent in zip(ranks, gathered) if isinstance(sent, _Failure)]
     if failed:
         rank, failure = failed[0]
         raise RuntimeError(
             f"rank {rank} failed before it could compare its samplers with the other ranks ({failure.description});"
             " every rank stops here rather than wait for it. Fix the error on that rank (see its own traceback)."
         )
-    reference = gathered[0]
-    for rank, others in enumerate(gathered):
+    reference, first = gathered[0], ranks[0]
+    for rank, others in zip(ranks, gathered):
         if len(others) != len(reference):
             raise RuntimeError(
-                f"rank 0 compared {len(reference)} sampler(s) but rank {rank} {len(others)}: every rank must build the"
-                " same dataloaders, with the same kinds of sampler, in the same order."
+                f"rank {first} compared {len(reference)} sampler(s) but rank {rank} {len(others)}: every rank must"
+                " build the same dataloaders, with the same kinds of sampler, in the same order."
             )
         for mine, theirs in zip(reference, others):
             if mine != theirs:
-                raise _divergence_error(mine, theirs, rank)
+                raise _divergence_error(mine, theirs, rank, first)
 
 
 def report_failure(error: BaseException, group: Optional[Any] = None) -> None:
@@ -189,45 +190,52 @@ def _gather(sent: Any, group: Optional[Any]) -> Optional[list[Any]]:
     return gathered
 
 
+def _global_ranks(group: Optional[Any], size: int) -> List[int]:
+    """The global rank of each member of ``group``, in the group's order."""
+    return list(range(size)) if group is None else dist.get_process_group_ranks(group)
+
+
 def _divergence_error(
-    reference: Optional[SequenceDigest], other: Optional[SequenceDigest], rank: int
+    reference: Optional[SequenceDigest], other: Optional[SequenceDigest], rank: int, reference_rank: int = 0
 ) -> RuntimeError:
+    """The error for ``rank``'s digest ``other`` differing from ``reference``, that of ``reference_rank``."""
+    first, second = f"rank {reference_rank}", f"rank {rank}"
     known = reference or other
     assert known is not None
     if reference is not None and other is not None:
         kinds = [NOT_DEALT_SOURCE if d.declared_length == NOT_DEALT else d.sampler for d in (reference, other)]
         if kinds[0] != kinds[1]:
             return RuntimeError(
-                f"the ranks' loaders differ: rank 0 deals {kinds[0]} but rank {rank} deals {kinds[1]}, so they would"
+                f"the ranks' loaders differ: {first} deals {kinds[0]} but {second} deals {kinds[1]}, so they would"
                 " step different numbers of times or on overlapping data. Give every rank the same kind of loader,"
                 " with the same kind of sampler, in the same order."
             )
     if known.declared_length == NOT_DEALT and (reference is None or other is None):
         return RuntimeError(
-            f"the ranks are out of step: rank 0 and rank {rank} compare different loaders here (they build different"
+            f"the ranks are out of step: {first} and {second} compare different loaders here (they build different"
             " numbers or kinds of loaders). Give every rank the same loaders, in the same order."
         )
     if reference is not None and other is not None and other.declared_length == reference.declared_length:
         if other.epoch != reference.epoch:
             return RuntimeError(
-                f"the ranks deal {known.sampler} for different epochs: epoch {reference.epoch} on rank 0 but"
-                f" {other.epoch} on rank {rank}, so their shares come from different orders and overlap. Call"
+                f"the ranks deal {known.sampler} for different epochs: epoch {reference.epoch} on {first} but"
+                f" {other.epoch} on {second}, so their shares come from different orders and overlap. Call"
                 " set_epoch(epoch) with the same epoch on every rank before each epoch (on"
                 " loader.batch_sampler.sampler, or on loader.sampler when loader.batch_sampler is None)."
             )
         if other.dealing != reference.dealing:
             return RuntimeError(
-                f"the ranks deal {known.sampler} out with different options: {reference.dealing} on rank 0 but"
-                f" {other.dealing} on rank {rank}. Each rank keeps its own positions of one dealt sequence, so"
+                f"the ranks deal {known.sampler} out with different options: {reference.dealing} on {first} but"
+                f" {other.dealing} on {second}. Each rank keeps its own positions of one dealt sequence, so"
                 " the options must be the same on every rank (a seed that differs per rank makes the shares"
                 " overlap): pass the same shuffle, seed, shuffle_window, pad and even_shares on every rank."
             )
     if reference is None or other is None:
-        what = f"it was iterated on one of rank 0 and rank {rank} but not on the other"
+        what = f"it was iterated on one of {first} and {second} but not on the other"
     elif other.declared_length != reference.declared_length:
-        what = f"len() is {reference.declared_length} on rank 0 but {other.declared_length} on rank {rank}"
+        what = f"len() is {reference.declared_length} on {first} but {other.declared_length} on {second}"
     else:
-        what = f"the sequences it yielded in epoch {reference.epoch} differ between rank 0 and rank {rank}"
+        what = f"the sequences it yielded in epoch {reference.epoch} differ between {first} and {second}"
     return RuntimeError(
         f"{known.sampler} does not produce the same sequence on every rank: {what}. Each rank keeps every W-th"
         " item of that sequence, so different sequences overlap and part of the data is never seen. Seed the"

@@ -295,13 +295,13 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
     epoch_per_rank.set_epoch(int(rank == 0))  # rank 0 called set_epoch(1), the others did not
     for wrapper in (seed_per_rank, epoch_per_rank):
         next(iter(wrapper))
-    pair = torch.distributed.new_group([0, 1])  # a collective: every rank makes it
+    pair = torch.distributed.new_group([1, 2])  # a collective: every rank makes it
     errors = {}
     calls: Dict[str, Callable[[], None]] = {
         "unseeded": lambda: verify_same_sequence(unseeded.head_digest),
         "seed_per_rank": lambda: verify_same_sequence(seed_per_rank.head_digest),
         "epoch_per_rank": lambda: verify_same_sequence(epoch_per_rank.head_digest),
-        # ranks 0 and 1 compare within their group (and differ); rank 2, outside it, takes no part and passes
+        # ranks 1 and 2 compare within their group (and differ); rank 0, outside it, takes no part and passes
         "subgroup": lambda: verify_same_sequence(unseeded.head_digest, group=pair),
         # rank 2 compares one sampler more than the others: the extra one must not go unchecked
         "count": lambda: verify_same_sequence(*[seeded.head_digest] * (1 + (rank == 2))),
@@ -338,12 +338,14 @@ def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
     assert "Call set_epoch(epoch) with the same epoch on every rank" in errors["epoch_per_rank"]
     every_rank = {"unseeded", "count", "seed_per_rank", "epoch_per_rank"}
     for rank, (_, raised) in enumerate(results):
-        expected = every_rank | ({"failure"} if rank != 1 else set()) | ({"subgroup"} if rank < 2 else set())
+        expected = every_rank | ({"failure"} if rank != 1 else set()) | ({"subgroup"} if rank > 0 else set())
         assert raised.keys() == expected, (rank, raised)
         assert "rank 0 compared 1 sampler(s) but rank 2 2" in raised["count"], raised["count"]
         if rank != 1:
             assert "rank 1 failed before it could compare" in raised["failure"], raised["failure"]
             assert "ValueError: list is empty" in raised["failure"], raised["failure"]
+        if rank > 0:  # named by their global ranks, not by their places in the group
+            assert "differ between rank 1 and rank 2" in raised["subgroup"], raised["subgroup"]
     for epoch in range(2):
         user = ClassBalancedBatches(30, 4, seed=11)
         user.set_epoch(epoch)
