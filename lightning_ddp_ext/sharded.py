@@ -284,13 +284,56 @@ def shard_optimizer(optimizer: Optimizer, group: Optional[Any] = None) -> "OSS":
     groups = [{**param_group, "params": list(param_group["params"])} for param_group in optimizer.param_groups]
     defaults = constructor_defaults(optimizer_class, optimizer.defaults)
     try:
-        return _balanced_oss_class()(groups, optim=optimizer_class, group=group, **defaults)
+        sharded = _balanced_oss_class()(groups, optim=optimizer_class, group=group, **defaults)
     except TypeError as error:
-        raise TypeError(
-            f"CustomDDPSharded could not rebuild {optimizer_class.__name__} as a fairscale OSS shard ({error}). Return"
-            f" fairscale.optim.OSS(params, optim={optimizer_class.__name__}, ...) from configure_optimizers yourself;"
-            " an OSS optimizer is used as it is."
-        ) from error
+        raise _cannot_rebuild(optimizer_class, str(error)) from error
+    lost = _option_lost_in_rebuilding(optimizer, sharded.optim)
+    if lost is not None:
+        raise _cannot_rebuild(optimizer_class, lost)
+    return sharded
+
+
+def _cannot_rebuild(optimizer_class: type, why: str) -> TypeError:
+    return TypeError(
+        f"CustomDDPSharded could not rebuild {optimizer_class.__name__} as a fairscale OSS shard ({why}). Return"
+        f" fairscale.optim.OSS(params, optim={optimizer_class.__name__}, ...) from configure_optimizers yourself;"
+        " an OSS optimizer is used as it is."
+    )
+
+
+def _option_lost_in_rebuilding(original: Optimizer, rebuilt: Optimizer) -> Optional[str]:
+    """Why ``rebuilt`` (from ``original``'s parameter groups and defaults) steps differently, or None.
+
+    An option an optimizer keeps as a public attribute rather than in ``defaults`` (``self.max_update = ...``)
+    would fall back to its default in the rebuilt optimizer, silently. torch's own optimizers keep none; private
+    attributes are their bookkeeping (``LBFGS._params``, which the shard holds fewer of), and a method patched on
+    the instance (torch's LR schedulers wrap ``step`` so) is not an option: neither is compared.
+    """
+    for name, value in vars(original).items():
+        if name.startswith("_") or name in ("defaults", "param_groups", "state"):
+            continue
+        if callable(value) and hasattr(type(original), name):
+            continue
+        other = vars(rebuilt).get(name, _MISSING)
+        if not _same_option(value, other):
+            shown = "missing" if other is _MISSING else repr(other)
+            return f"its attribute {name!r} is {value!r}, not in its defaults, and would be {shown} in the rebuilt one"
+    return None
+
+
+_MISSING = object()
+
+
+def _same_option(first: Any, second: Any) -> bool:
+    if first is second:
+        return True
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        both = isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+        return both and first.shape == second.shape and bool(torch.equal(first, second))
+    try:
+        return type(first) is type(second) and bool(first == second)
+    except Exception:  # noqa: BLE001 - an ambiguous comparison means "not known to be the same"
+        return False
 
 
 def _repoint(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> bool:
@@ -457,6 +500,30 @@ def _sharded_data_parallel_class() -> type:
                 if not self._grad_to_be_reduced[index] and self._trainable_param_to_rank[param] == self._global_rank:
                     self._holding_reduced.add(param)
             self._backward_done = True
+            if self._group_size > 1:
+                self._check_same_parameters_reduced()
+
+        def _check_same_parameters_reduced(self) -> None:
+            """Raise, on every rank alike, when the ranks' backward passes reduced different parameters.
+
+            SDP reduces each gradient as soon as it is ready, and the process group pairs the ranks' reductions
+            in the order they are made: ranks that take different branches (a head per task, experts) pair one
+            parameter's gradient with another's, and step on wrong gradients without an error. One all-reduce of
+            a fingerprint of the reduced parameters per backward pass tells."""
+            reduced = torch.tensor([not pending for pending in self._grad_to_be_reduced], dtype=torch.bool)
+            fingerprint = int(_parameter_weights(len(reduced))[reduced].sum())
+            extremes = torch.tensor([fingerprint, -fingerprint], device=self._trainable_params[0].device)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._process_group)
+            if int(extremes[0]) != -int(extremes[1]):
+                raise RuntimeError(
+                    "CustomDDPSharded: the ranks' backward passes reached different parameters (this rank reduced"
+                    f" {int(reduced.sum())} of {len(reduced)}): fairscale's ShardedDataParallel reduces each"
+                    " gradient as it is ready, so the ranks' reductions paired unrelated parameters and this step's"
+                    " gradients are wrong. Every rank must reach the same parameters in each backward pass: for a"
+                    " model whose ranks take different branches (a head per task, experts), use"
+                    " CustomDDP(find_unused_parameters=True), or let every rank reach every branch (a zero-weighted"
+                    " loss term)."
+                )
 
         def disarm(self) -> None:
             """Arm nothing until the strategy's next backward pass: forward arms every parameter, and a backward
@@ -468,6 +535,22 @@ def _sharded_data_parallel_class() -> type:
 
     ShardedDataParallel.__module__, ShardedDataParallel.__qualname__ = __name__, "ShardedDataParallel"
     return ShardedDataParallel
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_weights(count: int) -> torch.Tensor:
+    """A pseudo-random weight below 2**40 per parameter index, the same on every rank: sums over different sets
+    of indices differ but by chance (about one in 2**40), and sums of up to 2**20 of them stay below 2**62."""
+    return torch.tensor([_mix64(index) >> 24 for index in range(count)], dtype=torch.int64)
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's output function: a bijective, nonlinear mix of a 64-bit counter."""
+    mask = 2**64 - 1
+    value = (value + 0x9E3779B97F4A7C15) & mask
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
+    return value ^ (value >> 31)
 
 
 # ---------------------------------------------------------------------------------------------- precision

@@ -580,6 +580,38 @@ def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path, mo
         assert torch.load(tmp_path / f"rank{rank}.pt") is True, rank
 
 
+class HeadPerTask(pl.LightningModule):
+    """A head per task, each batch from one task: dealt among 2 ranks, the batches of task 0 go to rank 0 and
+    those of task 1 to rank 1, so in each step the ranks reach different heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 3)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(3, 1, bias=False) for _ in range(2)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, task = batch
+        return self.heads[int(task[0])](torch.tanh(self.trunk(x))).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@needs_fairscale
+@pytest.mark.timeout(150)
+def test_ranks_that_reach_different_parameters_stop_instead_of_stepping_on_paired_up_gradients(tmp_path: Path) -> None:
+    """SDP reduces each gradient as it is ready: rank 0's reduction of head 0 paired with rank 1's of head 1 (the
+    same shape), head 0 never stepped and head 1 stepped on the mean of both heads' gradients, silently."""
+    tasks = TensorDataset(torch.randn(8, 4), torch.arange(8) % 2)
+    trainer = pl.Trainer(
+        strategy=CustomDDPSharded(start_method="spawn", timeout=timedelta(seconds=30)),
+        **trainer_kwargs(max_epochs=1, num_sanity_val_steps=0),
+    )
+    with pytest.raises(Exception, match="the ranks' backward passes reached different parameters"):
+        trainer.fit(HeadPerTask(), DataLoader(tasks, batch_size=1))
+
+
 class NormalizedRegressor(pl.LightningModule):
     """A BatchNorm layer, whose running statistics each rank updates from its own training batches; at every
     validation run each rank saves how far its statistics are from rank 0's."""
@@ -887,6 +919,37 @@ def test_add_param_group_steps_every_parameter_as_the_plain_optimizer() -> None:
     """Lightning's BaseFinetuning adds groups with ``add_param_group``. OSS then recomputes the partition but
     only appends the new group to the shard optimizer: a partition that moved parameters left some unstepped."""
     run_distributed(_add_param_group, 2, timeout=90)
+
+
+class ClippedSGD(torch.optim.SGD):
+    """SGD whose updates are clamped to ``max_update``, an option kept as an attribute, outside ``defaults``."""
+
+    def __init__(self, params: Any, lr: float = 0.1, max_update: Optional[float] = None) -> None:
+        super().__init__(params, lr=lr)
+        self.max_update = max_update
+
+
+def _options_outside_defaults(rank: int, world_size: int) -> Dict[str, str]:
+    from lightning_ddp_ext.sharded import shard_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    shard_optimizer(ClippedSGD(params))  # the default: rebuilt alike
+    try:
+        shard_optimizer(ClippedSGD(params, max_update=0.01))
+    except TypeError as error:
+        return {"error": str(error)}
+    return {"error": ""}
+
+
+@needs_fairscale
+@pytest.mark.timeout(120)
+def test_an_optimizer_option_kept_outside_its_defaults_is_not_dropped_silently() -> None:
+    """Rebuilt from its parameter groups and defaults, ClippedSGD lost ``max_update`` and stepped unclamped."""
+    for facts in run_distributed(_options_outside_defaults, 2, timeout=90):
+        assert "could not rebuild ClippedSGD as a fairscale OSS shard (its attribute 'max_update' is 0.01" in facts[
+            "error"
+        ], facts
+        assert "Return fairscale.optim.OSS(params, optim=ClippedSGD, ...)" in facts["error"], facts
 
 
 # ---------------------------------------------------------------------------------------------- one process
