@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import TypeGuard, override
 
 from lightning_ddp_ext import _compat
+from lightning_ddp_ext.dataloader import _MISSING, _same_value
 from lightning_ddp_ext.strategy import CustomDDP
 
 if TYPE_CHECKING:
@@ -321,19 +322,11 @@ def _option_lost_in_rebuilding(original: Optimizer, rebuilt: Optimizer) -> Optio
     return None
 
 
-_MISSING = object()
-
-
 def _same_option(first: Any, second: Any) -> bool:
-    if first is second:
-        return True
-    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
-        both = isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
-        return both and first.shape == second.shape and bool(torch.equal(first, second))
-    try:
-        return type(first) is type(second) and bool(first == second)
-    except Exception:  # noqa: BLE001 - an ambiguous comparison means "not known to be the same"
-        return False
+    """:func:`~lightning_ddp_ext.dataloader._same_value`, and equal tensors (an option built anew) are the same."""
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        return first.shape == second.shape and bool(torch.equal(first, second))
+    return _same_value(first, second)
 
 
 def _repoint(schedulers: Sequence[Any], old: Optimizer, new: Optimizer) -> bool:
