@@ -271,9 +271,17 @@ def shard_optimizer(optimizer: Optimizer, group: Optional[Any] = None) -> "OSS":
 
     Raises:
         ValueError: the optimizer has no parameter groups (``configure_optimizers`` returned no optimizer).
-        TypeError: the optimizer class cannot be rebuilt from its parameter groups and defaults.
+        TypeError: the optimizer class cannot be rebuilt from its parameter groups and defaults (an option kept
+            outside them), or cannot be sharded at all (``LBFGS``).
     """
     oss_class, _ = _fairscale()
+    stepping = cast(Any, optimizer).optim if isinstance(optimizer, oss_class) else optimizer
+    if isinstance(stepping, torch.optim.LBFGS):
+        raise TypeError(
+            f"CustomDDPSharded cannot shard {type(stepping).__name__}: its steps take inner products over all"
+            " parameters (curvature pairs, line search), and each rank's shard holds only some of them, so it would"
+            " train on wrong steps without an error. Use CustomDDP, which steps every parameter on every rank."
+        )
     if isinstance(optimizer, oss_class):
         return optimizer
     optimizer_class = type(optimizer)

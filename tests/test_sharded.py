@@ -929,27 +929,39 @@ class ClippedSGD(torch.optim.SGD):
         self.max_update = max_update
 
 
-def _options_outside_defaults(rank: int, world_size: int) -> Dict[str, str]:
+def _optimizers_that_cannot_be_sharded_as_they_are(rank: int, world_size: int) -> Dict[str, str]:
+    from fairscale.optim import OSS
+
     from lightning_ddp_ext.sharded import shard_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
     shard_optimizer(ClippedSGD(params))  # the default: rebuilt alike
-    try:
-        shard_optimizer(ClippedSGD(params, max_update=0.01))
-    except TypeError as error:
-        return {"error": str(error)}
-    return {"error": ""}
+    errors = {}
+    for name, make in {
+        "option": lambda: ClippedSGD(params, max_update=0.01),
+        "lbfgs": lambda: torch.optim.LBFGS(params),
+        "lbfgs_in_oss": lambda: OSS(params, optim=torch.optim.LBFGS),
+    }.items():
+        try:
+            shard_optimizer(make())
+        except TypeError as error:
+            errors[name] = str(error)
+    return errors
 
 
 @needs_fairscale
 @pytest.mark.timeout(120)
-def test_an_optimizer_option_kept_outside_its_defaults_is_not_dropped_silently() -> None:
-    """Rebuilt from its parameter groups and defaults, ClippedSGD lost ``max_update`` and stepped unclamped."""
-    for facts in run_distributed(_options_outside_defaults, 2, timeout=90):
-        assert "could not rebuild ClippedSGD as a fairscale OSS shard (its attribute 'max_update' is 0.01" in facts[
-            "error"
-        ], facts
-        assert "Return fairscale.optim.OSS(params, optim=ClippedSGD, ...)" in facts["error"], facts
+def test_optimizers_that_would_step_differently_sharded_are_refused() -> None:
+    """Rebuilt from its parameter groups and defaults, ClippedSGD lost ``max_update`` and stepped unclamped; LBFGS
+    on a shard (inner products over some parameters only) trained to weights hundreds of times off DDP's."""
+    for errors in run_distributed(_optimizers_that_cannot_be_sharded_as_they_are, 2, timeout=90):
+        assert errors.keys() == {"option", "lbfgs", "lbfgs_in_oss"}, errors
+        assert "could not rebuild ClippedSGD as a fairscale OSS shard (its attribute 'max_update' is 0.01" in errors[
+            "option"
+        ]
+        assert "Return fairscale.optim.OSS(params, optim=ClippedSGD, ...)" in errors["option"]
+        for lbfgs in (errors["lbfgs"], errors["lbfgs_in_oss"]):
+            assert "CustomDDPSharded cannot shard LBFGS" in lbfgs and "Use CustomDDP" in lbfgs
 
 
 # ---------------------------------------------------------------------------------------------- one process
