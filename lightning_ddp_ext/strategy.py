@@ -52,7 +52,7 @@ from lightning_ddp_ext.samplers import (
     _check_seed,
     _check_shuffle_window,
 )
-from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch
+from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _not_samples_error
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
 
@@ -1293,7 +1293,10 @@ class CustomDDP(DDPStrategy):
         self._refuse_collective_inside_exact_evaluation("gather_in_order")
         indices = self.evaluated_indices(dataloader_idx)
         evaluated = self._evaluated_samples(dataloader_idx)
-        problem = None
+        not_samples = _not_samples_error(values)  # a dict or a set would not even slice: raised on every rank
+        if not_samples is not None:
+            return _gather_in_order(values, indices, problem=not_samples)
+        problem: Optional[Exception] = None
         try:
             given = len(values)
         except TypeError:  # raised on every rank by the exchange, not here alone; a 0-dim tensor by sync's check

@@ -94,7 +94,9 @@ def gather_in_order(
     A padded sample is computed on another rank in a batch of another size, and kernels round differently for
     different batch sizes, so "the same value" allows for rounding: floating-point and complex tensors (and
     numpy arrays) agree when every element is within ``sqrt(eps)`` of their dtype times the sample's largest
-    finite magnitude (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. Integer and bool
+    finite magnitude (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. float32 may have
+    been computed in TF32 on a CUDA machine (``torch.backends.cudnn.allow_tf32``, on by default, or
+    ``torch.set_float32_matmul_precision("high")``): it then gets TF32's ``sqrt(eps)``, 0.031. Integer and bool
     tensors and other objects, Python floats included, must be equal (``==``), and tensors and numpy arrays
     must have the same dtype and shape.
 
@@ -182,12 +184,14 @@ def _exchange(
     """
     leaves: Dict[_Path, Any] = {}
     tensors: List[torch.Tensor] = []
+    raws: List[torch.Tensor] = []
     header, skeletons = b"", b""
     if problem is None:
         try:
             leaves = _flatten(d)
             tensors = [v for v in leaves.values() if isinstance(v, torch.Tensor)]  # tensor leaves first
             header, skeletons = _pickle_schema(leaves, tensors, caller)  # appends the tensors inside other values
+            raws = [_as_bytes(t) for t in tensors]  # what the exchange sends: made here, where a failure travels
         except Exception as error:  # whatever fails here fails on this rank only: report it, never leave the others
             problem = error  # waiting in the next collective
     report = None if problem is None else _report(problem)
@@ -200,7 +204,7 @@ def _exchange(
     metas = [m for _, m in schemas]
     check([k for k, _ in schemas], metas, slots)
     comm_device = _comm_device(group)
-    per_rank_tensors = _all_gather_tensors(tensors, metas, comm_device, group)
+    per_rank_tensors = _all_gather_tensors(raws, metas, comm_device, group)
 
     # No collective follows, so whatever raises from here on cannot leave another rank waiting.
     per_rank_skeletons = [pickle.loads(s) if s else {} for _, _, s in sent]
@@ -298,9 +302,10 @@ def _all_gather_object(obj: Any, ranks: int, group: Optional[Any]) -> List[Any]:
 
 
 def _all_gather_tensors(
-    tensors: List[torch.Tensor], metas_per_rank: List[List[_Meta]], device: torch.device, group: Optional[Any]
+    raws: List[torch.Tensor], metas_per_rank: List[List[_Meta]], device: torch.device, group: Optional[Any]
 ) -> List[List[torch.Tensor]]:
-    """Exchange every rank's tensors as one byte buffer each, padded to the longest, in one ``all_gather``.
+    """Exchange every rank's tensors (``raws``: this rank's, as :func:`_as_bytes`) as one byte buffer each, padded
+    to the longest, in one ``all_gather``.
 
     Each rank's shapes and dtypes are already known to all ranks, so every rank can size the buffers and cut
     them back into tensors: views, on ``device``, into one buffer that holds the ranks' buffers back to back.
@@ -309,7 +314,7 @@ def _all_gather_tensors(
     flat = torch.empty(width * len(metas_per_rank), dtype=torch.uint8, device=device)
     received = [flat[rank * width : (rank + 1) * width] for rank in range(len(metas_per_rank))]
     if width > 0:
-        _all_gather_bytes(received, _pack(tensors, width, device), group)
+        _all_gather_bytes(received, _pack(raws, width, device), group)
     return [_unpack(buffer, metas) for buffer, metas in zip(received, metas_per_rank)]
 
 
@@ -330,9 +335,8 @@ def _all_gather_bytes(received: List[torch.Tensor], local: torch.Tensor, group: 
         work.wait()
 
 
-def _pack(tensors: List[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """This rank's tensors as one ``width``-byte buffer on ``device``, each starting at an aligned offset."""
-    raws = [_as_bytes(t) for t in tensors]
+def _pack(raws: List[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """This rank's tensors' bytes as one ``width``-byte buffer on ``device``, each starting at an aligned offset."""
     if len(raws) == 1 and raws[0].numel() == width and raws[0].device == device:
         return raws[0]  # already exactly the buffer: send it without a copy
     buffer = torch.empty(width, dtype=torch.uint8, device=device)  # padding bytes are sent but never read
@@ -355,7 +359,10 @@ def _unpack(buffer: torch.Tensor, metas: List[_Meta]) -> List[torch.Tensor]:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``tensor``; a lazy conjugate or negative view is applied first, since it cannot be viewed."""
-    return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # one element, or none, at another stride counts as contiguous (x[:1, 0], x[:0, 0])
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def _aligned(nbytes: int) -> int:
@@ -619,16 +626,24 @@ def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union
             "gather_in_order needs values with a sample dimension, got a 0-dim tensor; for one sample pass "
             "values.reshape(1)"
         )
-    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, set, frozenset)):
-        raise TypeError(
-            "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
-            f"per-sample objects, got {type(values).__name__}"
-        )
+    not_samples = _not_samples_error(values)
+    if not_samples is not None:
+        raise not_samples
     samples = values if isinstance(values, torch.Tensor) else list(values)
     if len(samples) != count:
         hint = _PER_BATCH_HINT if _looks_per_batch(samples, count) else "pass one index per sample (row) of values"
         raise ValueError(f"gather_in_order got {len(samples)} values but {count} indices; {hint}")
     return samples
+
+
+def _not_samples_error(values: Any) -> Optional[TypeError]:
+    """The error for ``values`` that hold no samples in order (a dict, a set, a string, a number), else None."""
+    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, set, frozenset)):
+        return TypeError(
+            "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
+            f"per-sample objects, got {type(values).__name__}"
+        )
+    return None
 
 
 def _dedupe_in_order(
@@ -706,8 +721,28 @@ def _close_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.to(wide), b.to(wide)
     magnitudes = torch.cat([a.abs(), b.abs()], dim=1)
     scale = torch.where(magnitudes.isfinite(), magnitudes, 0).amax(dim=1, keepdim=True)
-    tolerance = torch.finfo(dtype).eps ** 0.5 * scale + torch.finfo(dtype).tiny  # tiny: subnormals count as 0
+    tolerance = _computed_eps(dtype) ** 0.5 * scale + torch.finfo(dtype).tiny  # tiny: subnormals count as 0
     return (torch.isclose(a, b, rtol=0, atol=0, equal_nan=True) | ((a - b).abs() <= tolerance)).all(dim=1)
+
+
+#: The machine epsilon of TF32 (10 explicit mantissa bits), in which CUDA may compute float32 convolutions and
+#: matrix products.
+_TF32_EPS = 2.0**-10
+
+
+def _computed_eps(dtype: torch.dtype) -> float:
+    """The epsilon of the precision ``dtype``'s values were computed in: TF32's for float32 (and complex64) where
+    torch lets CUDA compute float32 in TF32, whichever device the values are on now (a validation step may have
+    moved them to the CPU)."""
+    eps = float(torch.finfo(dtype).eps)
+    if dtype in (torch.float32, torch.complex64) and _tf32_allowed():
+        return max(eps, _TF32_EPS)
+    return eps
+
+
+def _tf32_allowed() -> bool:
+    cuda = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    return bool(cuda) and torch.cuda.is_available()
 
 
 _TORCH_FLOAT_DTYPES = tuple(map(np.dtype, ("float16", "float32", "float64", "complex64", "complex128")))

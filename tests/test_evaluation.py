@@ -172,7 +172,7 @@ class CarelessEmbedder(UnchangedByTraining, Embedder):
     ``"user_batched"`` from one it dealt by index and batched with torch's plain ``BatchSampler`` given as
     ``batch_sampler=``, ``"user_sharded"`` from one with that ``BatchSampler`` over torch's ``DistributedSampler``,
     ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator, ``"zero_dim"`` with rank 1's
-    values a 0-dim tensor."""
+    values a 0-dim tensor, ``"as_dict"`` with rank 1's values a dict (which did not even slice)."""
 
     def __init__(self, out_dir: str, case: str) -> None:
         super().__init__(out_dir)
@@ -204,6 +204,8 @@ class CarelessEmbedder(UnchangedByTraining, Embedder):
         values = outputs if self.case == "per_batch" else torch.cat(outputs)
         if self.case == "zero_dim" and self.global_rank == 1:
             values = values[0, 0]  # one rank's values squeezed down to a 0-dim tensor, which has no len()
+        if self.case == "as_dict" and self.global_rank == 1:
+            values = {"embedding": values}
         strategy: Any = self.trainer.strategy
         gathered = strategy.gather_in_order(values)
         self.reports.append({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
@@ -235,6 +237,7 @@ class TwoBatchesAStep(CarelessEmbedder):
         ("dataloader_iter", None),
         ("shared", "is a training loader too, so it does not keep what it yields"),
         ("zero_dim", "rank 1: gather_in_order needs values with a sample dimension, got a 0-dim tensor"),
+        ("as_dict", "rank 1: gather_in_order: values must be a tensor whose first dim runs over samples or a sequence"),
     ],
 )
 def test_strategy_gather_checks_values_against_the_evaluated_batches(
@@ -266,7 +269,7 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
         trainer = pl.Trainer(
             strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0, **unreplaced)
         )
-        if case == "zero_dim":  # found by one rank before the exchange: raised on every rank, not left waiting
+        if case in ("zero_dim", "as_dict"):  # found by one rank before the exchange: raised on every rank
             with pytest.raises(Exception, match=error):
                 trainer.validate(model, loader)
             return

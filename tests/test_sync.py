@@ -243,6 +243,11 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     complex_value = torch.tensor([1 + 2j, 3 - 4j]) * (rank + 1)
     results["conj"] = _attempt(lambda: sync_dicts({"conj": complex_value.conj(), "neg": complex_value.conj().imag}))
 
+    # One element at a stride other than 1 counts as contiguous but cannot be viewed as bytes: on odd ranks only, it
+    # failed there after the first exchange, and the others waited in the second.
+    grid = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    results["one_element_column"] = _attempt(lambda: sync_dicts({"x": grid[:1, 1] if rank % 2 else grid[0, 1:2]}))
+
     # Keys that compare equal, with different reprs on different ranks: matched as a dict matches them.
     one = np.int64(1) if rank == 0 else 1
     equal_keys = {one: torch.full((1, 2), rank), 5: torch.full((1, 2), 10 + rank)}
@@ -489,6 +494,12 @@ def test_conjugate_and_negative_views_travel_resolved(per_rank: List[Dict[str, A
     expected = {"conj": values.conj().resolve_conj(), "neg": values.conj().imag.resolve_neg()}
     for rank, results in enumerate(per_rank):
         _assert_same(results["conj"], expected, f"rank {rank}")
+
+
+def test_one_element_at_another_stride_travels(per_rank: List[Dict[str, Any]]) -> None:
+    expected = {"x": torch.tensor([1.0 + 10 * r for r in range(len(per_rank))])}
+    for rank, results in enumerate(per_rank):
+        _assert_same(results["one_element_column"], expected, f"rank {rank}")
 
 
 def test_keys_that_compare_equal_are_merged_whatever_their_repr(per_rank: List[Dict[str, Any]]) -> None:
@@ -752,7 +763,8 @@ def test_gather_in_order_locally_rejects_what_holds_no_numbers(values: Any, indi
 
 
 @pytest.mark.usefixtures("no_process_group")
-def test_gather_in_order_locally_tolerates_rounding_only() -> None:
+def test_gather_in_order_locally_tolerates_rounding_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sync, "_tf32_allowed", lambda: False)  # float32 computed in float32 (see the TF32 test)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     up = torch.nextafter(x, torch.full_like(x, math.inf))
     _assert_same(gather_in_order(torch.cat([x, up]), [0, 1, 2, 0, 1, 2]), x)
@@ -772,6 +784,33 @@ def test_gather_in_order_locally_tolerates_rounding_only() -> None:
         gather_in_order([x[0].numpy(), (x[0] * (1 + 1e-3)).numpy()], [4, 4])
     with pytest.raises(ValueError, match="its values hold Python floats, which are compared exactly.* not .tolist"):
         gather_in_order([x[0].tolist(), up[0].tolist()], [4, 4])
+
+
+@pytest.mark.usefixtures("no_process_group")
+@pytest.mark.parametrize("tf32", [False, True])
+def test_float32_repeats_get_tf32_tolerance_where_cuda_may_compute_in_tf32(
+    tf32: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU with TF32 (cuDNN's default, or set_float32_matmul_precision("high")), a padded sample computed in
+    a batch of another size differed by 6e-4 of its magnitude: more than float32's sqrt(eps), 3.5e-4, so the
+    default eval_mode="pad" failed every validation. A value of another sample still differs by far more."""
+    monkeypatch.setattr(sync, "_tf32_allowed", lambda: tf32)
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    scale = x.abs().amax()  # the row's largest magnitude, to which the tolerance is relative
+    rounded_in_tf32 = x + 6e-4 * scale
+    for values, same in (
+        (rounded_in_tf32, tf32),
+        (x.to(torch.complex64) + 6e-4j * scale, tf32),
+        (x + 0.1 * scale, False),
+    ):
+        pair = torch.cat([x.to(values.dtype), values])
+        if same:
+            _assert_same(gather_in_order(pair, [0, 0]), x.to(values.dtype))
+        else:
+            with pytest.raises(ValueError, match="different values for the same index: 0"):
+                gather_in_order(pair, [0, 0])
+    with pytest.raises(ValueError, match="different values"):  # float64 is never computed in TF32
+        gather_in_order(torch.cat([x.double(), rounded_in_tf32.double()]), [0, 0])
 
 
 @pytest.mark.usefixtures("no_process_group")
