@@ -403,15 +403,27 @@ def _restored_progress(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
     return epochs, batches
 
 
-def _restarted_epoch(restored: Optional[tuple[Any, Any]]) -> Optional[tuple[int, Any]]:
+def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]]) -> Optional[tuple[int, Any]]:
     """``(epoch, its batch progress)`` when the ``restored`` progress (see :func:`_restored_progress`) is inside
-    an epoch that was started but not processed (a checkpoint written during it), else None."""
+    an epoch (the epoch number is the one Lightning passes to ``set_epoch`` when it goes on), else None.
+
+    That is an epoch started but not processed (a checkpoint written during it), or one whose epoch-end hooks
+    ran before its last batch: ``max_steps`` or ``trainer.should_stop`` ended the fit there, and the checkpoint
+    ``ModelCheckpoint`` writes then is processed but not completed. Lightning goes on with the epoch's remaining
+    batches from either (from the same shape after the last batch, with the next epoch). For the second, fit
+    loops with restart stages pass the processed count to ``set_epoch``, older ones (2.2) the completed one."""
     if restored is None:
         return None
     epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
-    if not (epochs.started == epochs.ready and epochs.processed == epochs.started - 1):
+    if epochs.started != epochs.ready:
         return None
-    return int(epochs.processed), restored[1]
+    if epochs.processed == epochs.started - 1:
+        return int(epochs.processed), restored[1]
+    ended_early = epochs.processed == epochs.started and epochs.completed == epochs.processed - 1
+    if ended_early and not _last_batch_done(restored[1]):
+        stages = hasattr(trainer.fit_loop, "resumed_on_epoch_end")
+        return int(epochs.processed if stages else epochs.completed), restored[1]
+    return None
 
 
 def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
@@ -425,7 +437,7 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     ``on_train_batch_end`` wrote the checkpoint, in the middle of an epoch and at its end, with any sampler:
     the count returned is then the batches they count as completed.
     """
-    restarted = _restarted_epoch(_restored_progress(trainer))
+    restarted = _restarted_epoch(trainer, _restored_progress(trainer))
     if restarted is None or _last_batch_done(restarted[1]):
         return None
     progress = restarted[1].current
@@ -494,9 +506,11 @@ def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
     next one after a checkpoint written at an epoch's last batch."""
     restored = _restored_progress(trainer)
+    restarted = _restarted_epoch(trainer, restored)
+    if restarted is not None:
+        return restarted[0] + (1 if _last_batch_done(restarted[1]) else 0)
     epochs: Any = (restored[0] if restored is not None else trainer.fit_loop.epoch_progress).current
-    restarted = _restarted_epoch(restored)
-    return int(epochs.processed) + (1 if restarted is not None and _last_batch_done(restarted[1]) else 0)
+    return int(epochs.processed)
 
 
 def comm_hook_states(wrapper: object, strategy: "DDPStrategy") -> List[object]:

@@ -189,6 +189,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
+        #: When False, :meth:`set_epoch` leaves out the user's batch sampler itself (see there).
+        self.forward_epoch_to_batch_sampler = True
         self._resume: Optional[tuple[int, Union[int, Callable[[], int]]]] = None
         #: When True, every item yielded in the current epoch is kept in :attr:`yielded` (for evaluation).
         self.record_yielded = False
@@ -252,11 +254,14 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """Set the epoch (it seeds the shuffle) and forward it to the user's sampler.
 
         Forwarded to ``source.set_epoch`` and, for a batch sampler, to ``source.sampler.set_epoch`` when
-        they exist: the calls a single-process Lightning loop would have made.
+        they exist, as a training loop calls torch's ``DistributedSampler``. A single-process Lightning loop
+        reaches only the second; with :attr:`forward_epoch_to_batch_sampler` False (``CustomDDP`` under
+        ``overfit_batches``, which must train the same batches every epoch) so does this.
         """
         self.epoch = epoch
         targets: dict[int, Any] = {}
-        for candidate in (self.source, getattr(self.source, "sampler", None) if self._batched else None):
+        own = self.source if self.forward_epoch_to_batch_sampler or not self._batched else None
+        for candidate in (own, getattr(self.source, "sampler", None) if self._batched else None):
             set_epoch = getattr(candidate, "set_epoch", None)
             if candidate is not None and callable(set_epoch):
                 targets[id(candidate)] = set_epoch

@@ -248,6 +248,13 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
+def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Union[int, float]:
+    """The ``limit_*_batches`` Lightning applies to the loaders of evaluation ``stage``."""
+    name = {RunningStage.TESTING: "test", RunningStage.PREDICTING: "predict"}.get(stage, "val")  # type: ignore[arg-type]
+    limit: Union[int, float] = getattr(trainer, f"limit_{name}_batches", 1.0)
+    return limit
+
+
 def _drop_skip(wrapper: _Wrapper) -> None:
     """Drop a resume skip pending on ``wrapper``, if any."""
     wrapper.resume_within_epoch(0, None)
@@ -896,7 +903,8 @@ class CustomDDP(DDPStrategy):
         if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split, or not a DataLoader
             return loader
         if wrapper is not None and not training and not wrapper.even_shares:
-            self._refuse_rank_without_batches(loader, wrapper, stage, user_dealt=patched is None)
+            limit = _evaluation_limit(trainer, stage)
+            self._refuse_rank_without_batches(loader, wrapper, stage, limit, user_dealt=patched is None)
         if training:
             self._prepare_first_epoch(loader, trainer)
         return loader
@@ -926,6 +934,10 @@ class CustomDDP(DDPStrategy):
         patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False, owner=type(self).__name__)
         if patched is dataloader:
             return None
+        wrapper = _wrapper_of(patched)
+        if overfitting and isinstance(wrapper, DistributedBatchSamplerWrapper):
+            # the batches a single process overfits: its loop never calls the batch sampler's own set_epoch
+            wrapper.forward_epoch_to_batch_sampler = False
         if unshuffled_for_overfitting:
             rank_zero_warn(
                 f"{type(self).__name__}: overfit_batches is set, so this training loader's batches are dealt without"
@@ -938,24 +950,40 @@ class CustomDDP(DDPStrategy):
         return patched
 
     def _refuse_rank_without_batches(
-        self, loader: DataLoader, wrapper: _Wrapper, stage: Optional[RunningStage], user_dealt: bool = False
+        self,
+        loader: DataLoader,
+        wrapper: _Wrapper,
+        stage: Optional[RunningStage],
+        limit: Union[int, float] = 1.0,
+        user_dealt: bool = False,
     ) -> None:
         """Raise, on every rank alike, when an exact deal (ours, or a ``user_dealt`` wrapper with
-        ``even_shares=False``) leaves some rank with no evaluation batch.
+        ``even_shares=False``) leaves some rank with no evaluation batch, or with none of the fraction ``limit``
+        (the stage's ``limit_*_batches``) takes.
 
         Lightning skips the whole evaluation on such a rank, epoch-end hooks included, so the other ranks'
         epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``, the consistency check) would
-        pair with unrelated ones: a hang or a wrong result.
+        pair with unrelated ones: a hang or a wrong result. A fraction that leaves it none makes Lightning raise
+        there alone, while the others go on.
         """
-        if _fewest_exact_batches(loader, wrapper) > 0:
-            return
-        world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
-        items = "batches" if isinstance(wrapper, DistributedBatchSamplerWrapper) else "samples"
+        fewest = _fewest_exact_batches(loader, wrapper)
         who, fix = (f"{type(wrapper).__name__}(even_shares=False)", "even_shares=True") if user_dealt else (
             f"{type(self).__name__}(eval_mode='exact')", "eval_mode='pad'"
         )
+        world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
+        name = stage.value if stage else "evaluation"
+        if fewest > 0 and isinstance(limit, float) and 0 < limit < 1 and int(fewest * limit) == 0:
+            setting = "limit_val_batches" if name in ("validate", "sanity_check") else f"limit_{name}_batches"
+            raise RuntimeError(
+                f"{who}: {setting}={limit} of the {name} loader's batches leaves rank {world - 1}, which is dealt"
+                f" {fewest}, none ({fewest} * {limit} < 1): Lightning raises on a rank left none, not on every rank."
+                f" Pass {setting} as a number of batches (an int), a larger fraction, or use {fix}."
+            )
+        if fewest > 0:
+            return
+        items = "batches" if isinstance(wrapper, DistributedBatchSamplerWrapper) else "samples"
         raise RuntimeError(
-            f"{who}: the {stage.value if stage else 'evaluation'} loader deals"
+            f"{who}: the {name} loader deals"
             f" {dealt} {items} of {type(wrapper.source).__name__} among {world} ranks, which leaves rank {world - 1}"
             " without a batch; Lightning would skip evaluation there and the other ranks' epoch-end synchronisation"
             f" would hang or give wrong values. Use fewer ranks, a smaller batch size, or {fix}."

@@ -428,6 +428,16 @@ def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> Non
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))
 
 
+def test_exact_mode_refuses_a_fraction_of_batches_that_leaves_a_rank_none() -> None:
+    """5 samples dealt exactly, a batch each: 3 and 2. limit_val_batches=0.4 takes 1 of rank 0's and none of rank
+    1's, where Lightning raised alone (its MisconfigurationException) while rank 0 went on."""
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=0.4))
+    expected = r"limit_val_batches=0.4 of the validate loader's batches leaves rank 1, which is dealt 2, none .*\(an int\)"
+    with pytest.raises(Exception, match=expected):
+        trainer.validate(MeanLogger(), DataLoader(IndexDataset(5), batch_size=1))
+
+
 class ValidatesOnAnUnevenUserDeal(MeanLogger):
     """Validates on a loader its user dealt by index with ``even_shares=False`` (7 samples: 4 and 3), batched by
     torch's plain BatchSampler dropping the last partial batch of 4, which leaves rank 1 without a batch."""

@@ -285,7 +285,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     (code, log), = finish_jobs({"job": start_job(command, out, job_env())}, out).values()
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
-            "cycled_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
+            "ended_by_max_steps_resumed_by_epochs", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
@@ -306,6 +307,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
         ("limited", "resumed", ["only"]),
         ("limited", "resumed_with_workers", ["only"]),
         ("cycled", "resumed", ["a", "b", "c"]),
+        ("ended_by_max_steps", "resumed", ["only"]),
         ("stateful", "resumed", ["only"]),
         ("sized", "resumed", ["a", "b", "c"]),
         ("user_dealt", "resumed", ["only"]),
@@ -335,7 +337,9 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     checkpoint's loops (for a configure_optimizers that reads estimated_stepping_batches), and one it sets up
     before it even loads the checkpoint (for a setup hook that reads it). A StatefulDataLoader restores its own
     position (Lightning loads its state, also when set up in the setup hook), so the sampler must not skip its
-    batches again."""
+    batches again. max_steps ending a fit inside an epoch still runs the epoch-end hooks, where ModelCheckpoint
+    writes a checkpoint that is processed but not completed: resumed with max_steps, Lightning goes on with the
+    rest of that epoch, in which the sampler's first batches must not be trained again."""
     if run in ("limited", "user_sharded", "user_sharded_batched", "stateful_mixed") and not hasattr(
         _TrainingEpochLoop, "restarted_on_train_batch_end"
     ):
@@ -347,6 +351,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     # Lightning without restart stages (2.2) re-runs the batch whose on_train_batch_end wrote the checkpoint,
     # except from a stateful loader, which goes on after the last batch it yielded.
     rerun = 0 if run.startswith("stateful") or hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
+    rerun = 0 if run == "ended_by_max_steps" else rerun  # written after the batch's hooks, at the epoch's end
     for rank in range(WORLD):
         for loader in loaders:
             key = f"train/{loader}"
@@ -361,12 +366,27 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "estimating": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "user_batched": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "early": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
+        "ended_by_max_steps": "skips the 3 batch(es) of epoch",  # epoch 1 to Lightning 2.6's set_epoch, 0 to 2.2's
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
     if run in ("estimating", "early"):  # the iterator is made once after the restore, or not again: one skip
         assert sum(said in line for line in info) == 1, info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_fit_ended_by_max_steps_and_resumed_by_epochs_trains_the_next_epoch_whole(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Resumed without max_steps from the epoch-end checkpoint of a fit that max_steps ended inside its first
+    epoch, Lightning counts that epoch as done and starts the next: nothing of it is skipped."""
+    for rank in range(WORLD):
+        whole = resume_edge_runs["ended_by_max_steps"][rank]["seen"]["train/only"]
+        resumed = resume_edge_runs["ended_by_max_steps_resumed_by_epochs"][rank]["seen"]["train/only"]
+        assert [batch for _, batch in resumed] == [batch for epoch, batch in whole if epoch == 1], rank
+    info = resume_edge_runs["ended_by_max_steps_resumed_by_epochs"][0]["facts"]["info"]
+    assert not any("resuming mid-epoch" in line for line in info), info
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

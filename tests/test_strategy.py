@@ -634,6 +634,42 @@ def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_sh
     assert not [w for w in record if message in str(w.message)]
 
 
+class PairsShuffledInSetEpoch:
+    """Six batches of two, in an order drawn anew in its own ``set_epoch`` (a batch sampler without ``sampler``)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 6
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = torch.randperm(6, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return iter([[2 * i, 2 * i + 1] for i in order])
+
+
+def test_overfit_batches_leaves_a_batch_samplers_own_set_epoch_uncalled_as_one_process_does() -> None:
+    """A single-process Lightning loop calls set_epoch on loader.batch_sampler.sampler, never on a custom batch
+    sampler itself: under overfit_batches it overfits epoch 0's first batch every epoch. The strategy forwarded
+    the epoch to the batch sampler, which drew other batches each epoch; otherwise it still does."""
+
+    def epochs(**trainer_options: Any) -> List[List[int]]:
+        model = OrderRecorder()
+        with single_rank_in_this_process(free_port()):
+            trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=3, **trainer_options))
+            data = TensorDataset(torch.arange(12.0).unsqueeze(1))
+            trainer.fit(model, DataLoader(data, batch_sampler=PairsShuffledInSetEpoch()))
+        return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
+
+    first = next(iter(PairsShuffledInSetEpoch()))
+    assert epochs(overfit_batches=1) == [first] * 3
+    forwarded = epochs(limit_train_batches=1)
+    assert forwarded[0] == first and len({tuple(batch) for batch in forwarded}) > 1, forwarded
+
+
 class SeededPerRank(Recorder):
     """Seeds each rank differently, as users do to vary augmentation."""
 

@@ -80,6 +80,7 @@ from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
+ENDED_BY_MAX_STEPS = 3  # of the 6 batches a rank of the first epoch
 USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
 USER_SHARDED_STOP = 6  # the end of epoch 0
 SHARED_STOP = 2
@@ -87,14 +88,17 @@ STATEFUL_STOP = 2
 
 
 def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1,
-        model_class: Any = WeightRecorder, strategy_class: Any = CustomDDP, **options: Any) -> None:
+        model_class: Any = WeightRecorder, strategy_class: Any = CustomDDP, at_epoch_end: bool = False,
+        **options: Any) -> None:
+    """One fit; ``stop_at`` ends it after that step with a checkpoint written there, or with ``at_epoch_end`` at the
+    end of the epoch that max_steps cut short (ModelCheckpoint's default)."""
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
     callbacks: List[Any] = []
     if stop_at > 0:
         options["max_steps"] = stop_at
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", filename=f"{run}-{{step}}",
-                                         every_n_train_steps=stop_at))
+        every_n = {} if at_epoch_end else {"every_n_train_steps": stop_at}
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", filename=f"{run}-{{step}}", **every_n))
     pl.seed_everything(7)
     model = model_class(str(run_dir))
     trainer = pl.Trainer(
@@ -104,14 +108,20 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, loaders(), ckpt_path=ckpt_path))
 
 
-def fit_interrupted(out_dir: Path, run: str, loaders: Any, stop_at: int, **options: Any) -> Path:
-    """``run`` uninterrupted, ``<run>_first`` stopping after step ``stop_at`` with a checkpoint, and
-    ``<run>_resumed`` from it; the checkpoint, for other resumes."""
+def fit_interrupted(
+    out_dir: Path, run: str, loaders: Any, stop_at: int, at_epoch_end: bool = False, **options: Any
+) -> Path:
+    """``run`` uninterrupted, ``<run>_first`` stopping after step ``stop_at`` with a checkpoint (see :func:`fit`),
+    and ``<run>_resumed`` from it; the checkpoint, for other resumes."""
     fit(out_dir, run, loaders, **options)
-    fit(out_dir, f"{run}_first", loaders, stop_at=stop_at, **options)
+    fit(out_dir, f"{run}_first", loaders, stop_at=stop_at, at_epoch_end=at_epoch_end, **options)
     checkpoint = out_dir / "checkpoints" / f"{run}_first-step={stop_at}.ckpt"
     fit(out_dir, f"{run}_resumed", loaders, ckpt_path=checkpoint, **options)
     return checkpoint
+
+
+def curriculum_loader() -> Any:
+    return DataLoader(IndexDataset(48), sampler=EveryThirdFirst(48), batch_size=4)  # 6 batches a rank, every epoch
 
 
 def limited_loader() -> Any:
@@ -329,6 +339,11 @@ if __name__ == "__main__":
     limited_checkpoint = fit_interrupted(out, "limited", limited_loader, LIMITED_STOP, **limited)
     fit(out, "limited_resumed_with_workers", limited_loader_with_workers, ckpt_path=limited_checkpoint, **limited)
     fit_interrupted(out, "cycled", two_loaders, CYCLED_STOP, max_epochs=1)
+    # Resumed with max_steps, Lightning goes on with the epoch; by epochs alone, with the next one. It counts the
+    # rest of the epoch as one more epoch towards max_epochs: 12 steps are 2 epochs uninterrupted, 3 when resumed.
+    ended_checkpoint = fit_interrupted(out, "ended_by_max_steps", curriculum_loader, ENDED_BY_MAX_STEPS,
+                                       at_epoch_end=True, max_epochs=3, max_steps=12)
+    fit(out, "ended_by_max_steps_resumed_by_epochs", curriculum_loader, ckpt_path=ended_checkpoint, max_epochs=2)
     fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
     fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
     fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
