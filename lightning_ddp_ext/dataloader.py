@@ -100,6 +100,11 @@ def is_sharded(loader: DataLoader) -> bool:
     """Whether the loader already gives each rank its own share (a distributed sampler or one of ours), also
     when the distributed sampler sits inside the batch sampler, or inside a batch sampler given as ``sampler=``
     (``batch_size=None``)."""
+    return _sharding_sampler(loader) is not None
+
+
+def _sharding_sampler(loader: DataLoader) -> Any:
+    """The sampler that gives each rank of ``loader`` its share (see :func:`is_sharded`), or None."""
     sharded = (DistributedSampler, DistributedSamplerWrapper, DistributedBatchSamplerWrapper)
     candidates = (
         loader.sampler,
@@ -107,7 +112,7 @@ def is_sharded(loader: DataLoader) -> bool:
         getattr(loader.batch_sampler, "sampler", None),
         getattr(loader.sampler, "sampler", None),
     )
-    return any(isinstance(candidate, sharded) for candidate in candidates)
+    return next((candidate for candidate in candidates if isinstance(candidate, sharded)), None)
 
 
 _TORCHDATA_SAMPLERS = "torchdata.stateful_dataloader.sampler"
@@ -323,7 +328,16 @@ def _patch(
             " num_replicas and rank."
         )
         return loader
-    if is_sharded(loader):
+    sharding = _sharding_sampler(loader)
+    if sharding is not None:
+        dealt_for = (sharding.num_replicas, sharding.rank)
+        if resolved is not None and dealt_for != resolved:
+            raise ValueError(
+                f"{owner}: the loader is already sharded by its {type(sharding).__name__} for rank {dealt_for[1]} of"
+                f" {dealt_for[0]}, not for the rank {resolved[1]} of {resolved[0]} given, and is never dealt again."
+                " Build the loader without it and let patch_dataloader_to_ddp deal it, or give the sampler this"
+                " run's num_replicas and rank."
+            )
         return loader
     world, own_rank = resolved or _resolve_world(None, None, _OWNER)
     fork_risk = _fork_deadlock_warning(loader)

@@ -553,6 +553,10 @@ def _as_index_tensor(indices: Union[torch.Tensor, Sequence[int]]) -> torch.Tenso
     """
     if isinstance(indices, torch.Tensor):
         index = indices
+    elif isinstance(indices, np.ndarray) and indices.dtype.kind in "biuf":  # whole, not one Python int per index
+        if indices.dtype.kind == "u" and indices.size and int(indices.max()) >= 2**63:
+            raise ValueError(f"gather_in_order: {_INDEX_RULE}; an index does not fit in 64 bits")
+        index = torch.from_numpy(np.ascontiguousarray(indices, np.int64 if indices.dtype.kind == "u" else None))
     else:
         if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
             raise TypeError(f"gather_in_order: {_INDEX_RULE}; got {type(indices).__name__}")

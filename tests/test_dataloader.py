@@ -486,7 +486,19 @@ def test_explicit_world_and_rank_are_validated_before_an_early_return(
         patch_dataloader_to_ddp(loader, num_replicas, rank)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the IterableDataset warning
-        assert patch_dataloader_to_ddp(loader, 2, 1) is loader  # valid values: still returned unchanged
+        assert patch_dataloader_to_ddp(loader, 2, 0) is loader  # valid values: still returned unchanged
+
+
+@pytest.mark.parametrize("num_replicas,rank", [(2, 1), (4, 0)])
+def test_a_loader_sharded_for_other_ranks_than_those_given_is_refused(num_replicas: int, rank: int) -> None:
+    """Returned unchanged, it would deal rank 0's share of 2 to whichever rank asked (or a half of the data to each
+    of 4 ranks' quarters), silently."""
+    samplers = (DistributedSampler(Squares(), num_replicas=2, rank=0), DistributedSamplerWrapper(range(30), 2, 0))
+    for sharded_by in samplers:
+        loader = DataLoader(Squares(), sampler=sharded_by)
+        expected = rf"already sharded by its {type(sharded_by).__name__} for rank 0 of 2, not for the rank {rank} of"
+        with pytest.raises(ValueError, match=expected):
+            patch_dataloader_to_ddp(loader, num_replicas, rank)
 
 
 @pytest.mark.parametrize(

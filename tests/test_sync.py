@@ -787,6 +787,19 @@ def test_gather_in_order_locally_tolerates_rounding_only(monkeypatch: pytest.Mon
 
 
 @pytest.mark.usefixtures("no_process_group")
+def test_numpy_index_arrays_are_taken_whole_whatever_their_integer_dtype() -> None:
+    """A uint64 array (a numpy sampler's output) was refused as "an index does not fit in 64 bits"."""
+    values = torch.tensor([10.0, 11.0, 12.0])
+    for dtype in (np.uint64, np.uint8, np.int32, np.int64):
+        _assert_same(gather_in_order(values, np.array([2, 0, 1], dtype=dtype)), torch.tensor([11.0, 12.0, 10.0]))
+    _assert_same(gather_in_order(values, np.arange(6).reshape(3, 2)[:, 1] // 2), torch.tensor([10.0, 11.0, 12.0]))
+    with pytest.raises(ValueError, match="an index does not fit in 64 bits"):
+        gather_in_order(values[:1], np.array([2**63], dtype=np.uint64))
+    with pytest.raises(ValueError, match="got dtype torch.float64"):
+        gather_in_order(values, np.array([0.0, 1.0, 2.0]))
+
+
+@pytest.mark.usefixtures("no_process_group")
 @pytest.mark.parametrize("tf32", [False, True])
 def test_float32_repeats_get_tf32_tolerance_where_cuda_may_compute_in_tf32(
     tf32: bool, monkeypatch: pytest.MonkeyPatch
