@@ -697,6 +697,16 @@ _MIX_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _MIX_INCREMENT = 0x9E3779B97F4A7C15
 
 
+def _splitmix64(counters: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """SplitMix64's output for each uint64 counter: a bijective, nonlinear mix, modulo 2**64 (as the C helper's)."""
+    mixed = counters + np.uint64(_MIX_INCREMENT)  # SplitMix64 adds its increment first
+    for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS):
+        mixed ^= mixed >> np.uint64(shift)
+        mixed *= multiplier
+    mixed ^= mixed >> np.uint64(31)
+    return mixed
+
+
 def _window_permutations(seed: int, first: int, count: int, size: int, stride: int) -> np.ndarray[Any, Any]:
     """The permutations of windows ``first`` to ``first + count - 1``, one row each, of ``size`` positions.
 
@@ -718,13 +728,9 @@ def _window_permutations(seed: int, first: int, count: int, size: int, stride: i
 def _numpy_window_permutations(seed: int, first: int, count: int, size: int, stride: int) -> np.ndarray[Any, Any]:
     """``_window_permutations`` without the C helper: the counters mixed in numpy for all windows at once,
     then the swaps, one numpy step per column (or one Python step per swap for a few long windows)."""
-    offset = np.uint64((seed + _MIX_INCREMENT) % 2**64)  # SplitMix64 adds its increment first
-    mixed: np.ndarray[Any, Any] = np.arange(first, first + count, dtype=np.uint64)[:, None] * np.uint64(stride)
-    mixed = mixed + np.arange(size, dtype=np.uint64) + offset  # the counters, one row per window
-    for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS):
-        mixed ^= mixed >> np.uint64(shift)
-        mixed *= multiplier
-    mixed ^= mixed >> np.uint64(31)
+    counters: np.ndarray[Any, Any] = np.arange(first, first + count, dtype=np.uint64)[:, None] * np.uint64(stride)
+    counters = counters + np.arange(size, dtype=np.uint64) + np.uint64(seed % 2**64)  # one row per window
+    mixed = _splitmix64(counters)
     mixed >>= np.uint64(32)
     mixed *= np.arange(1, size + 1, dtype=np.uint64)  # below 2**64: i + 1 <= size < 2**32
     mixed >>= np.uint64(32)

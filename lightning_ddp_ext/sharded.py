@@ -15,6 +15,7 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -28,6 +29,7 @@ from typing_extensions import TypeGuard, override
 
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.dataloader import _MISSING, _same_value
+from lightning_ddp_ext.samplers import _splitmix64
 from lightning_ddp_ext.strategy import CustomDDP
 
 if TYPE_CHECKING:
@@ -542,16 +544,7 @@ def _sharded_data_parallel_class() -> type:
 def _parameter_weights(count: int) -> torch.Tensor:
     """A pseudo-random weight below 2**40 per parameter index, the same on every rank: sums over different sets
     of indices differ but by chance (about one in 2**40), and sums of up to 2**20 of them stay below 2**62."""
-    return torch.tensor([_mix64(index) >> 24 for index in range(count)], dtype=torch.int64)
-
-
-def _mix64(value: int) -> int:
-    """SplitMix64's output function: a bijective, nonlinear mix of a 64-bit counter."""
-    mask = 2**64 - 1
-    value = (value + 0x9E3779B97F4A7C15) & mask
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
-    return value ^ (value >> 31)
+    return torch.from_numpy((_splitmix64(np.arange(count, dtype=np.uint64)) >> np.uint64(24)).astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------------- precision
