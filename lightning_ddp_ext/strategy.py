@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
+from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -248,11 +248,12 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
-def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Union[int, float]:
-    """The ``limit_*_batches`` Lightning applies to the loaders of evaluation ``stage``."""
-    name = {RunningStage.TESTING: "test", RunningStage.PREDICTING: "predict"}.get(stage, "val")  # type: ignore[arg-type]
-    limit: Union[int, float] = getattr(trainer, f"limit_{name}_batches", 1.0)
-    return limit
+def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Tuple[str, Union[int, float]]:
+    """The ``limit_*_batches`` setting Lightning applies to the loaders of evaluation ``stage``: name and value."""
+    stages = {RunningStage.TESTING: "limit_test_batches", RunningStage.PREDICTING: "limit_predict_batches"}
+    setting = stages.get(stage, "limit_val_batches")  # type: ignore[arg-type]
+    limit: Union[int, float] = getattr(trainer, setting, 1.0)
+    return setting, limit
 
 
 def _drop_skip(wrapper: _Wrapper) -> None:
@@ -903,8 +904,8 @@ class CustomDDP(DDPStrategy):
         if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split, or not a DataLoader
             return loader
         if wrapper is not None and not training and not wrapper.even_shares:
-            limit = _evaluation_limit(trainer, stage)
-            self._refuse_rank_without_batches(loader, wrapper, stage, limit, user_dealt=patched is None)
+            setting, limit = _evaluation_limit(trainer, stage)
+            self._refuse_rank_without_batches(loader, wrapper, stage, setting, limit, user_dealt=patched is None)
         if training:
             self._prepare_first_epoch(loader, trainer)
         return loader
@@ -954,12 +955,13 @@ class CustomDDP(DDPStrategy):
         loader: DataLoader,
         wrapper: _Wrapper,
         stage: Optional[RunningStage],
+        setting: str = "limit_val_batches",
         limit: Union[int, float] = 1.0,
         user_dealt: bool = False,
     ) -> None:
         """Raise, on every rank alike, when an exact deal (ours, or a ``user_dealt`` wrapper with
         ``even_shares=False``) leaves some rank with no evaluation batch, or with none of the fraction ``limit``
-        (the stage's ``limit_*_batches``) takes.
+        (the value of the stage's ``setting``, its ``limit_*_batches``) takes.
 
         Lightning skips the whole evaluation on such a rank, epoch-end hooks included, so the other ranks'
         epoch-end collectives (``sync_dist=True``, torchmetrics, ``gather_in_order``, the consistency check) would
@@ -973,7 +975,6 @@ class CustomDDP(DDPStrategy):
         world, dealt = wrapper.num_replicas, len(wrapper.source)  # type: ignore[arg-type]
         name = stage.value if stage else "evaluation"
         if fewest > 0 and isinstance(limit, float) and 0 < limit < 1 and int(fewest * limit) == 0:
-            setting = "limit_val_batches" if name in ("validate", "sanity_check") else f"limit_{name}_batches"
             raise RuntimeError(
                 f"{who}: {setting}={limit} of the {name} loader's batches leaves rank {world - 1}, which is dealt"
                 f" {fewest}, none ({fewest} * {limit} < 1): Lightning raises on a rank left none, not on every rank."
@@ -1321,18 +1322,15 @@ class CustomDDP(DDPStrategy):
         self._refuse_collective_inside_exact_evaluation("gather_in_order")
         indices = self.evaluated_indices(dataloader_idx)
         evaluated = self._evaluated_samples(dataloader_idx)
-        not_samples = _not_samples_error(values)  # a dict or a set would not even slice: raised on every rank
+        # A dict, a set or a generator would not even slice: raised on every rank by the exchange, not here alone.
+        not_samples = _not_samples_error(values, sized=True)
         if not_samples is not None:
             return _gather_in_order(values, indices, problem=not_samples)
         problem: Optional[Exception] = None
         try:
             given = len(values)
-        except TypeError:  # raised on every rank by the exchange, not here alone; a 0-dim tensor by sync's check
-            not_sequence = TypeError(
-                "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence (with len())"
-                f" of per-sample objects, got {type(values).__name__}"
-            )
-            return _gather_in_order(values, indices, problem=None if isinstance(values, torch.Tensor) else not_sequence)
+        except TypeError:  # a 0-dim tensor: sync's own check raises on every rank
+            return _gather_in_order(values, indices)
         if evaluated is None:  # not known (inside a batch, a dataloader_iter step): as many as values has
             evaluated = given
         elif given != evaluated:

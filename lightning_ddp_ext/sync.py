@@ -17,7 +17,7 @@ import cmath
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Sized, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -640,12 +640,16 @@ def _per_sample(values: Union[torch.Tensor, Sequence[Any]], count: int) -> Union
     return samples
 
 
-def _not_samples_error(values: Any) -> Optional[TypeError]:
-    """The error for ``values`` that hold no samples in order (a dict, a set, a string, a number), else None."""
-    if not isinstance(values, (torch.Tensor, Iterable)) or isinstance(values, (str, bytes, Mapping, set, frozenset)):
+def _not_samples_error(values: Any, sized: bool = False) -> Optional[TypeError]:
+    """The error for ``values`` that hold no samples in order (a dict, a set, a string, a number), else None;
+    with ``sized``, also for an iterable without ``len()`` (a generator), for callers that count or slice it."""
+    if isinstance(values, torch.Tensor):
+        return None
+    unordered = isinstance(values, (str, bytes, Mapping, set, frozenset))
+    if not isinstance(values, Iterable) or unordered or (sized and not isinstance(values, Sized)):
         return TypeError(
-            "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence of "
-            f"per-sample objects, got {type(values).__name__}"
+            "gather_in_order: values must be a tensor whose first dim runs over samples or a sequence"
+            f"{' (with len())' if sized else ''} of per-sample objects, got {type(values).__name__}"
         )
     return None
 

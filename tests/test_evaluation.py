@@ -206,6 +206,8 @@ class CarelessEmbedder(UnchangedByTraining, Embedder):
             values = values[0, 0]  # one rank's values squeezed down to a 0-dim tensor, which has no len()
         if self.case == "as_dict" and self.global_rank == 1:
             values = {"embedding": values}
+        if self.case == "as_generator" and self.global_rank == 1:
+            values = (row for row in values)  # iterable, but without the len() the strategy checks counts with
         strategy: Any = self.trainer.strategy
         gathered = strategy.gather_in_order(values)
         self.reports.append({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
@@ -238,6 +240,7 @@ class TwoBatchesAStep(CarelessEmbedder):
         ("shared", "is a training loader too, so it does not keep what it yields"),
         ("zero_dim", "rank 1: gather_in_order needs values with a sample dimension, got a 0-dim tensor"),
         ("as_dict", "rank 1: gather_in_order: values must be a tensor whose first dim runs over samples or a sequence"),
+        ("as_generator", r"rank 1: gather_in_order: values must be .* a sequence \(with len\(\)\) .* got generator"),
     ],
 )
 def test_strategy_gather_checks_values_against_the_evaluated_batches(
@@ -269,7 +272,7 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
         trainer = pl.Trainer(
             strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0, **unreplaced)
         )
-        if case in ("zero_dim", "as_dict"):  # found by one rank before the exchange: raised on every rank
+        if case in ("zero_dim", "as_dict", "as_generator"):  # found by one rank before the exchange: raised on every rank
             with pytest.raises(Exception, match=error):
                 trainer.validate(model, loader)
             return
@@ -379,6 +382,8 @@ class MeanLogger(pl.LightningModule):
         x, _ = batch
         self.log("mean", x.mean(), on_step=False, on_epoch=True, sync_dist=True, batch_size=len(x))
 
+    test_step = validation_step
+
 
 def test_exact_mode_sync_dist_mean_weighs_every_sample_once() -> None:
     """3 samples in batches of 4: rank 0 evaluates 2, rank 1 one; the logged mean is that of the 3 samples."""
@@ -428,14 +433,16 @@ def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> Non
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))
 
 
-def test_exact_mode_refuses_a_fraction_of_batches_that_leaves_a_rank_none() -> None:
-    """5 samples dealt exactly, a batch each: 3 and 2. limit_val_batches=0.4 takes 1 of rank 0's and none of rank
-    1's, where Lightning raised alone (its MisconfigurationException) while rank 0 went on."""
+@pytest.mark.parametrize("stage,setting", [("validate", "limit_val_batches"), ("test", "limit_test_batches")])
+def test_exact_mode_refuses_a_fraction_of_batches_that_leaves_a_rank_none(stage: str, setting: str) -> None:
+    """5 samples dealt exactly, a batch each: 3 and 2. A limit of 0.4 takes 1 of rank 0's and none of rank 1's,
+    where Lightning raised alone (its MisconfigurationException) while rank 0 went on. The error names the
+    stage's own setting."""
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=0.4))
-    expected = r"limit_val_batches=0.4 of the validate loader's batches leaves rank 1, which is dealt 2, none .*\(an int\)"
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(**{setting: 0.4}))
+    expected = rf"{setting}=0.4 of the {stage} loader's batches leaves rank 1, which is dealt 2, none .*\(an int\)"
     with pytest.raises(Exception, match=expected):
-        trainer.validate(MeanLogger(), DataLoader(IndexDataset(5), batch_size=1))
+        getattr(trainer, stage)(MeanLogger(), DataLoader(IndexDataset(5), batch_size=1))
 
 
 class ValidatesOnAnUnevenUserDeal(MeanLogger):
