@@ -18,6 +18,19 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Buffers of int64 are read and written as Py_ssize_t (window permutations, dealt positions): a platform where
+ * that is narrower fails the (optional) build here, and the package runs its pure-Python path instead. */
+#if SIZEOF_SIZE_T != 8
+#error "lightning_ddp_ext._compact needs a 64-bit Py_ssize_t"
+#endif
+
+/* Ask for a cache line ahead of use where the compiler offers it (not MSVC's C compiler): a hint only. */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address) __builtin_prefetch(address)
+#else
+#define PREFETCH(address) ((void)(address))
+#endif
+
 /* Accept a C-contiguous buffer of native signed integers of 8 bytes (array('q'), numpy int64); `flags` may add
  * PyBUF_WRITABLE for a buffer that is written. */
 static int
@@ -436,7 +449,7 @@ store_lists(StoreObject *self, PyObject *slots_object)
             if (slots[i] >= 0 && slots[i] < self->items) {
                 const char *end = self->values + self->ends[slots[i] + 1] * itemsize;
                 for (const char *line = self->values + self->ends[slots[i]] * itemsize; line < end; line += 64) {
-                    __builtin_prefetch(line);
+                    PREFETCH(line);
                 }
             }
         }

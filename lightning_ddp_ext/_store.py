@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import sys
 import warnings
 from array import array
 from itertools import accumulate, chain, compress, islice
@@ -60,6 +61,8 @@ def _load_helper() -> Optional[ModuleType]:
 
 _compact = _load_helper()
 
+# Before Python 3.10 array.fromlist took any object with __int__ (a Decimal, a numpy float) and truncated it.
+_FROMLIST_TRUNCATES = sys.version_info < (3, 10)
 # Batches the C helper rebuilds per call: enough to amortise the call, few enough to stay in the caches.
 _REBUILD_BLOCK = 64
 # CompactStore.read's action bytes: bit 1 stores the item, bit 2 returns it. The tables pick one bit.
@@ -105,10 +108,17 @@ class CompactStore:
         if self._native is not None:
             return self._native.read(items, actions)
         selectors = iter(actions)
-        picked = list(compress(islice(items, len(actions)), selectors))  # steps `selectors` once per item
+        picked: List[Any] = []
+        failure: Optional[Exception] = None
+        try:
+            picked.extend(compress(islice(items, len(actions)), selectors))  # steps `selectors` once per item
+        except Exception as error:  # the sampler's own: raised once what it made before is stored, as the C
+            failure = error  # store stores each item as it reads it (a bad one among them is named first)
         count = len(actions) - length_hint(selectors)
         picked_actions = actions[:count].replace(b"\0", b"")  # one action per picked item
         self._extend(compress(picked, picked_actions.translate(_STORE_BIT)))
+        if failure is not None:
+            raise failure
         return list(compress(picked, picked_actions.translate(_KEEP_BIT))), count
 
     def _extend(self, items: Iterable[Any]) -> None:
@@ -141,6 +151,8 @@ class CompactStore:
 
     def _append_values(self, values: List[Any]) -> None:
         """Append indices, converted in C by ``array.fromlist`` (all or nothing: on error nothing is added)."""
+        if _FROMLIST_TRUNCATES and any(type(value) is not int for value in values):
+            raise TypeError  # for _extend to convert one by one, refusing what has no __index__
         try:
             self._flat.fromlist(values)
         except OverflowError:

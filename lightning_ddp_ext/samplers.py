@@ -19,6 +19,7 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 from __future__ import annotations
 
 import operator
+import warnings
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar, Union
@@ -353,6 +354,29 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             yield block
             del block  # consumed: free it (and what it refers to) before the next block is made
 
+    def _warn_if_refilled(self, head: List[Any]) -> None:
+        """Warn when two consecutive batches of the epoch's ``head`` are one and the same mutable object.
+
+        The wrappers hold batches before yielding them (a round, a window, the head), so a batch sampler that
+        refills one list in place would have later contents dealt in place of earlier batches; such a sampler
+        yields the same object from its first batch on, so the head is where it shows. Only a warning: repeating
+        an unchanged batch by reference is correct."""
+        if not self._batched:
+            return
+        for position, (before, item) in enumerate(zip(head, head[1:]), start=1):
+            if item is before and type(item) is not tuple:
+                warnings.warn(
+                    f"{self._source_name} yielded the very same {type(item).__name__} object as batches"
+                    f" {position - 1} and {position} of epoch {self.epoch}. {type(self).__name__} reads ahead of"
+                    " what it yields (a round of ranks, a shuffle window, the epoch's first batches), so a batch"
+                    " sampler that refills one list in place has its later contents dealt in place of earlier"
+                    " batches: yield a new list (or a tuple) for every batch. A batch repeated unchanged is dealt"
+                    " correctly; yield a copy of it to silence this warning.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
+
     def _mismatch(self, length: int, produced: int, more: bool = False) -> LengthMismatchError:
         """The error for a sampler whose iteration made ``produced`` items (more than that if ``more``)."""
         return LengthMismatchError(
@@ -407,7 +431,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             head = list(islice(items, head_end))
             if len(head) < head_end:
                 raise self._mismatch(length, len(head))
-            digest.update(head, 0)
+            digest.update(head, 0)  # refuses what is not a batch of indices, before the warning below
+            self._warn_if_refilled(head)
             self._head_digest = digest.snapshot()
             yield head[rank::world]
         compact = _store._compact
@@ -496,6 +521,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                     picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
                     head.extend(picked[: block.head])
                     if block.start == 0:
+                        self._warn_if_refilled(head)
                         self._head_digest = digest.snapshot()
                     if block.last:
                         self._check_exhausted(items, block.start + len(mask), length)
@@ -587,6 +613,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             if count < end - start:
                 raise self._mismatch(length, start + count)
             _hash_block(digest, kept, start, end - start, max(0, min(end, _HEAD_ITEMS) - start))
+            if start == 0:
+                self._warn_if_refilled(kept[: min(end, _HEAD_ITEMS)])
         self._check_exhausted(items, length, length)
         digest.update((), length)
         self._head_digest = self._epoch_digest = digest.snapshot()

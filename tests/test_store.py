@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import operator
+import warnings
 import weakref
+from decimal import Decimal
 from pathlib import Path
 from itertools import chain
 from typing import Any, Iterator, List, Optional
@@ -100,14 +102,16 @@ def test_read_stores_and_keeps_what_the_actions_say(path: str, data: st.DataObje
     assert len(store) == len(expected_stored)
 
 
-@pytest.mark.parametrize("item", [[2**63], [0, 1.5], "ab", b"ab", [None], 7, [[0]]])
+# A Decimal and a numpy float have __int__ (which array.fromlist took, truncating, before Python 3.10) but no
+# __index__: refused like a float.
+@pytest.mark.parametrize("item", [[2**63], [0, 1.5], "ab", b"ab", [None], 7, [[0]], [Decimal("2.7")], [np.float32(2)]])
 def test_items_that_are_not_index_sequences_are_named(path: str, item: Any) -> None:
     store = CompactStore(batched=True, owner="MySampler")
     with pytest.raises(TypeError, match=r"MySampler yielded .*; each item must be a sequence of integer indices"):
         store.read(iter([[0, 1], item]), bytes([STORE, STORE]))
 
 
-@pytest.mark.parametrize("item", [2**63, 1.5, "3", None, [1]])
+@pytest.mark.parametrize("item", [2**63, 1.5, "3", None, [1], Decimal("2.7"), np.float32(2)])
 def test_single_items_that_are_not_indices_are_named(path: str, item: Any) -> None:
     store = CompactStore(batched=False, owner="MySampler")
     with pytest.raises(TypeError, match=r"MySampler yielded .*; each item must be an integer index"):
@@ -175,6 +179,24 @@ def test_errors_raised_by_the_sampler_propagate(path: str) -> None:
 
     with pytest.raises(RuntimeError, match="sampler broke"):
         CompactStore(batched=True, owner="Sampler").read(failing(), bytes([STORE, STORE, STORE]))
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_bad_item_read_before_the_sampler_fails_is_named_on_both_paths(path: str, batched: bool) -> None:
+    """The C store stores each item as it reads it, so a bad one is refused before the sampler's later failure
+    is reached; the pure-Python path reads a block first, and stores what it read before raising the failure."""
+
+    def bad_then_failing() -> Iterator[Any]:
+        yield [0] if batched else 0
+        yield [1.5] if batched else 1.5
+        yield [2] if batched else 2
+        raise RuntimeError("sampler broke")
+
+    with pytest.raises(TypeError, match=r"Sampler yielded \[?1\.5\]?; each item must be"):
+        CompactStore(batched=batched, owner="Sampler").read(bad_then_failing(), bytes([STORE] * 8))
+    store = CompactStore(batched=batched, owner="Sampler")  # a bad item the rank drops is not read into the store
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        store.read(bad_then_failing(), bytes([STORE, 0, STORE, STORE]))
 
 
 @pytest.mark.parametrize("shuffle_window", [None, 4])
@@ -560,7 +582,7 @@ def test_longest_batches_first_do_not_make_the_c_store_reserve_for_the_epoch_at_
 
     if _store._compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    long_first = [list(range(50_000))] * 20 + [[i] for i in range(200_000)]
+    long_first = [list(range(50_000)) for _ in range(20)] + [[i] for i in range(200_000)]
     tracemalloc.start()
     try:
         wrapper = DistributedBatchSamplerWrapper(long_first, 2, 0, shuffle=True)
@@ -611,3 +633,39 @@ def test_a_reference_cycle_through_the_window_dealer_is_collected() -> None:
         make_cycle()
     gc.collect()
     assert alive() == before
+
+
+class RefillsOneList:
+    """A batch sampler that refills one list in place after each yield: every batch the wrappers hold (a round,
+    a window, the head) would read as its latest contents."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self) -> Iterator[List[int]]:
+        batch: List[int] = []
+        for i in range(8):
+            batch[:] = [2 * i, 2 * i + 1]
+            yield batch
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": True, "shuffle_window": 2}, {"shuffle": True}])
+def test_a_batch_sampler_that_refills_one_list_is_warned_about_on_both_paths(path: str, options: Any) -> None:
+    wrapper = DistributedBatchSamplerWrapper(RefillsOneList(), num_replicas=2, rank=0, **options)
+    expected = r"RefillsOneList yielded the very same list object as batches 0 and 1 of epoch 0.* yield a new list"
+    with pytest.warns(UserWarning, match=expected):
+        list(wrapper)
+
+
+def test_batches_repeated_unchanged_are_dealt_as_they_are_and_only_a_shared_list_is_warned_about(path: str) -> None:
+    shared = [0, 1]
+    with pytest.warns(UserWarning, match="yield a copy of it to silence this warning"):
+        assert [list(b) for b in DistributedBatchSamplerWrapper([shared] * 8, 2, 0)] == [[0, 1]] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tuple cannot be refilled; new lists are new objects
+        for source in ([(0, 1)] * 8, [[0, 1] for _ in range(8)]):
+            for options in ({}, {"shuffle": True, "shuffle_window": 2}, {"shuffle": True}):
+                assert [list(b) for b in DistributedBatchSamplerWrapper(source, 2, 0, **options)] == [[0, 1]] * 4
+    with warnings.catch_warnings():  # an index sampler repeats small ints, which are shared objects
+        warnings.simplefilter("error")
+        assert list(DistributedSamplerWrapper([3] * 8, 2, 0)) == [3] * 4
