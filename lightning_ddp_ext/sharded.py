@@ -915,6 +915,12 @@ class CustomDDPSharded(CustomDDP):
 
     # ------------------------------------------------------------------ steps
     @override
+    def _synchronises_gradients(self) -> bool:
+        """fairscale's wrapper reduces gradients in backward unless inside its ``no_sync``."""
+        wrapper: Any = self.model if isinstance(self.model, _sharded_data_parallel_class()) else None
+        return self.world_size > 1 and wrapper is not None and not wrapper._should_accumulate_grads
+
+    @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
     ) -> torch.Tensor:

@@ -248,6 +248,21 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
+def _reaches_a_parameter(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s autograd graph leads to an ``nn.Parameter``: a depth-first walk that stops at the first
+    one, which a loss computed from a model's output reaches within a few nodes (the last layer's)."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(getattr(node, "variable", None), Parameter):  # an AccumulateGrad node: a leaf
+            return True
+        stack.extend(next_node for next_node, _ in reversed(node.next_functions))
+    return False
+
+
 def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Tuple[str, Union[int, float]]:
     """The ``limit_*_batches`` setting Lightning applies to the loaders of evaluation ``stage``: name and value."""
     stages = {RunningStage.TESTING: "limit_test_batches", RunningStage.PREDICTING: "limit_predict_batches"}
@@ -772,6 +787,29 @@ class CustomDDP(DDPStrategy):
         no_sync = getattr(self.model, "no_sync", None)
         with no_sync() if callable(no_sync) else nullcontext():
             yield None
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Refuse, on this rank, a loss that depends on no parameter while gradients are synchronised.
+
+        Such a loss (``torch.zeros((), requires_grad=True)`` for a batch with nothing to learn from, common in
+        metric learning) backpropagates to nothing, so this rank would run none of the wrapper's gradient
+        all-reduces: the other ranks would wait in theirs until the timeout, or pair them with this rank's next
+        step's, silently. Raised here, the launcher ends every rank with this message.
+        """
+        if closure_loss.requires_grad and self._synchronises_gradients() and not _reaches_a_parameter(closure_loss):
+            raise RuntimeError(
+                f"{type(self).__name__}: the loss of this backward pass on rank {self.global_rank} depends on no"
+                " parameter (like torch.zeros((), requires_grad=True) returned for a batch with nothing to learn"
+                " from). The wrapper all-reduces gradients during backward, so this rank would take part in none"
+                " of those all-reduces and the other ranks would wait for it. Return a loss computed from the"
+                " model's output that is zero when there is nothing to learn, e.g. embeddings.sum() * 0."
+            )
+        super().pre_backward(closure_loss)
+
+    def _synchronises_gradients(self) -> bool:
+        """Whether the model wrapper all-reduces gradients in this backward pass (not inside ``no_sync``)."""
+        return self.world_size > 1 and bool(getattr(self.model, "require_backward_grad_sync", False))
 
     def get_model_from_plugin(self, model: Module) -> LightningModule:
         """Unwrap ``model`` (a wrapper returned by :meth:`configure_ddp`) down to the LightningModule."""

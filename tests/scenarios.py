@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, TensorDataset
 
 from lightning_ddp_ext import CustomDDP
 
@@ -253,3 +253,28 @@ def trainer_kwargs(**overrides: Any) -> Dict[str, Any]:
     )
     kwargs.update(overrides)
     return kwargs
+
+
+class ConstantLossOnRankOne(pl.LightningModule):
+    """Fits a line; rank 1 returns ``torch.zeros((), requires_grad=True)`` at batch ``at_batch`` of every epoch (a
+    batch with nothing to learn from, as metric-learning code writes it), a loss that reaches no parameter."""
+
+    def __init__(self, at_batch: int = 1) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.at_batch = at_batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == self.at_batch:
+            return torch.zeros((), requires_grad=True)
+        x, y = batch
+        return (self.net(x) - y).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def line_loader(size: int = 8, batch_size: int = 2) -> DataLoader:
+    """Points of y = 2x + 1, in batches of ``batch_size``."""
+    x = torch.linspace(-1, 1, size).unsqueeze(1)
+    return DataLoader(TensorDataset(x, 2 * x + 1), batch_size=batch_size)

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port
-from scenarios import BackboneAndHead, PKBatches, labels_for, trainer_kwargs
+from scenarios import BackboneAndHead, ConstantLossOnRankOne, PKBatches, labels_for, line_loader, trainer_kwargs
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_ddp_ext import CustomDDP, CustomDDPSharded
@@ -1087,3 +1087,13 @@ def test_without_fairscale() -> None:
     )
     result = run_python("-c", script, timeout=100)
     assert result.stdout.count('pip install "lightning_ddp_ext[sharded]"') == 3, result.stdout
+
+
+@needs_fairscale
+def test_a_loss_that_reaches_no_parameter_on_one_rank_is_refused_instead_of_hanging() -> None:
+    """fairscale's wrapper reduces each gradient as it is ready: a rank whose loss reaches no parameter reduced
+    nothing, and the other rank waited for it until the timeout. Refused on that rank, which ends the job."""
+    strategy = CustomDDPSharded(start_method="spawn", timeout=RUN_TIMEOUT)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
+    with pytest.raises(Exception, match="CustomDDPSharded: the loss of this backward pass on rank 1 depends on no"):
+        trainer.fit(ConstantLossOnRankOne(), line_loader())

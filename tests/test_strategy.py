@@ -17,6 +17,7 @@ from packaging.version import Version
 from scenarios import (
     DATASET_SIZE,
     TEST_PG_TIMEOUT,
+    ConstantLossOnRankOne,
     CountingDDP,
     DivergesAfter,
     IndexDataset,
@@ -25,6 +26,7 @@ from scenarios import (
     Recorder,
     counting_allreduce,
     labels_for,
+    line_loader,
     loaders_by_kind,
     read_ranks,
     trainer_kwargs,
@@ -817,3 +819,22 @@ def test_the_unused_parameters_error_gets_advice_for_the_start_method_in_use(sta
     error = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
     CustomDDP(start_method=start_method).on_exception(error)
     assert str(error).startswith("Expected to have finished reduction") and str(error).endswith(advice), str(error)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_loss_that_reaches_no_parameter_on_one_rank_is_refused_where_gradients_are_all_reduced(
+    accumulate: int,
+) -> None:
+    """Rank 1's loss of batch 1 reaches no parameter: its backward would run none of DDP's all-reduces and rank 0
+    would wait in its own until the timeout (stock "ddp" does). Refused on that rank, which ends the job. Inside
+    no_sync (batch 0 of 2 accumulated) nothing is all-reduced, and such a loss is left alone."""
+    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=accumulate))
+    model = ConstantLossOnRankOne(at_batch=1 if accumulate == 1 else 0)
+    if accumulate == 1:
+        with pytest.raises(Exception, match=r"CustomDDP: the loss of this backward pass on rank 1 depends on no"
+                                            r" parameter .* e\.g\. embeddings\.sum\(\) \* 0"):
+            trainer.fit(model, line_loader())
+        return
+    trainer.fit(model, line_loader())
+    assert trainer.state.finished
