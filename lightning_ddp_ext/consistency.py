@@ -148,7 +148,7 @@ def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any
     for rank, others in zip(ranks, gathered):
         if len(others) != len(reference):
             raise RuntimeError(
-                f"rank {first} compared {len(reference)} sampler(s) but rank {rank} {len(others)}: every rank must"
+                f"rank {first} compared {len(reference)} digest(s) but rank {rank} {len(others)}: every rank must"
                 " build the same dataloaders, with the same kinds of sampler, in the same order."
             )
         for mine, theirs in zip(reference, others):
@@ -228,7 +228,8 @@ def _divergence_error(
                 f"the ranks deal {known.sampler} out with different options: {reference.dealing} on {first} but"
                 f" {other.dealing} on {second}. Each rank keeps its own positions of one dealt sequence, so"
                 " the options must be the same on every rank (a seed that differs per rank makes the shares"
-                " overlap): pass the same shuffle, seed, shuffle_window, pad and even_shares on every rank."
+                " overlap): pass the same num_replicas, shuffle, seed, shuffle_window, pad and even_shares on every"
+                " rank."
             )
     if reference is None or other is None:
         what = f"it was iterated on one of {first} and {second} but not on the other"

@@ -244,8 +244,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def _dealing_options(self) -> str:
         """The options that decide which positions are this rank's: every rank must deal with the same ones (the
         seed and window only matter when shuffling), or shares overlap even when the sequences agree."""
-        options = f"num_replicas={self.num_replicas}, shuffle={self.shuffle}, pad={self.pad}"
-        options += f", even_shares={self.even_shares}"
+        options = f"num_replicas={self.num_replicas}, shuffle={self.shuffle}"  # pad matters to even shares only
+        options += f", pad={self.pad}, even_shares=True" if self.even_shares else ", even_shares=False"
         if self.shuffle:
             options += f", seed={self.seed}, shuffle_window={self.shuffle_window}"
         return options
@@ -457,7 +457,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             position += size
         final = list(islice(items, max(0, length - final_start)))
         self._check_exhausted(items, final_start + len(final), length)
-        digest.update(final, final_start)
+        digest.include(final, final_start)  # the last round whole (a few items), as the shuffled paths hash theirs
         source_of_padding = head or final
         last_round = final[: total - final_start] + [
             source_of_padding[(p - length) % len(source_of_padding)] for p in range(max(length, final_start), total)

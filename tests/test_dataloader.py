@@ -340,7 +340,7 @@ def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
     for rank, (_, raised) in enumerate(results):
         expected = every_rank | ({"failure"} if rank != 1 else set()) | ({"subgroup"} if rank > 0 else set())
         assert raised.keys() == expected, (rank, raised)
-        assert "rank 0 compared 1 sampler(s) but rank 2 2" in raised["count"], raised["count"]
+        assert "rank 0 compared 1 digest(s) but rank 2 2" in raised["count"], raised["count"]
         if rank != 1:
             assert "rank 1 failed before it could compare" in raised["failure"], raised["failure"]
             assert "ValueError: list is empty" in raised["failure"], raised["failure"]

@@ -563,3 +563,16 @@ def test_recorded_items_equal_what_was_yielded_on_long_epochs(options: dict) -> 
     assert yielded == wrapper.yielded and len(yielded) == len(wrapper)
     if not options.get("shuffle"):
         assert [tuple(b) for b in yielded[: wrapper.real_share_length()]] == [tuple(b) for b in list(source)[2::3]]
+
+
+def test_pad_is_part_of_the_dealing_options_only_where_it_changes_the_shares() -> None:
+    """With even_shares=False pad is ignored (no padding at all), so ranks passing different pads deal the same
+    shares and their digests agree; with even shares a different pad gives different shares, and digests."""
+
+    def dealt(**options: Any) -> Any:
+        wrapper = DistributedBatchSamplerWrapper([[i] for i in range(7)], num_replicas=2, rank=0, **options)
+        return [list(batch) for batch in wrapper], wrapper.epoch_digest
+
+    for shuffle in (False, True):
+        assert dealt(pad=True, even_shares=False, shuffle=shuffle) == dealt(pad=False, even_shares=False, shuffle=shuffle)
+        assert dealt(pad=True, shuffle=shuffle)[1] != dealt(pad=False, shuffle=shuffle)[1]

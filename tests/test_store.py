@@ -669,3 +669,19 @@ def test_batches_repeated_unchanged_are_dealt_as_they_are_and_only_a_shared_list
     with warnings.catch_warnings():  # an index sampler repeats small ints, which are shared objects
         warnings.simplefilter("error")
         assert list(DistributedSamplerWrapper([3] * 8, 2, 0)) == [3] * 4
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": True, "shuffle_window": 4}, {"shuffle": True}])
+@pytest.mark.parametrize("length", [100, 3000])
+def test_the_epoch_digest_covers_the_last_round_on_both_paths(path: str, options: Any, length: int) -> None:
+    """Samplers that agree on all but the last batch deal different shares (one batch lost, one repeated): the
+    epoch digest, which the next epoch's check compares, must tell them apart in every mode."""
+
+    def epoch_digest(batches: List[List[int]]) -> Any:
+        wrapper = DistributedBatchSamplerWrapper(batches, num_replicas=2, rank=0, **options)
+        list(wrapper)
+        return wrapper.epoch_digest
+
+    agreed = [[i] for i in range(length)]
+    assert epoch_digest(agreed) == epoch_digest([list(batch) for batch in agreed])
+    assert epoch_digest(agreed) != epoch_digest(agreed[:-1] + [[length - 2]])
