@@ -42,11 +42,43 @@ def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
         yield ".func", obj.func
         yield from ((f".args[{index}]", value) for index, value in enumerate(obj.args))
         yield from ((f".keywords[{key!r}]", value) for key, value in obj.keywords.items())
+    elif _customises_pickling(type(obj)):
+        yield from _reduced_parts(obj)
     else:
         yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
         for name in _slot_names(type(obj)):
             if hasattr(obj, name):
                 yield f".{name}", getattr(obj, name)
+
+
+def _customises_pickling(cls: type) -> bool:
+    """Whether ``cls`` decides itself what pickling it pickles (``__getstate__``, ``__reduce__``...)."""
+    return any(getattr(cls, name, None) is not getattr(object, name, None) for name in _PICKLING_HOOKS)
+
+
+_PICKLING_HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__")
+
+
+def _reduced_parts(obj: Any) -> Iterator[Tuple[str, Any]]:
+    """The parts of what ``obj``'s own reduction hands pickle: its arguments and its state (not its attributes,
+    some of which it may leave out or replace). Nothing when the reduction itself fails: ``obj`` is the culprit."""
+    try:
+        reduced = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+    except Exception:  # noqa: BLE001 - it cannot say what it pickles
+        return
+    if not isinstance(reduced, tuple):  # a global's name
+        return
+    arguments = reduced[1] if len(reduced) > 1 and isinstance(reduced[1], tuple) else ()
+    yield from ((f"(reduced) args[{index}]", value) for index, value in enumerate(arguments))
+    state = reduced[2] if len(reduced) > 2 else None
+    if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots), as object's default gives with slots
+        states = [part for part in state if isinstance(part, dict)]
+    else:
+        states = [state] if isinstance(state, dict) else []
+    for names in states:
+        yield from ((f".{name}" if isinstance(name, str) else f"[{name!r}]", value) for name, value in names.items())
+    if state is not None and not states:
+        yield "(its state)", state
 
 
 def _slot_names(cls: type) -> Iterator[str]:

@@ -7,7 +7,8 @@ is never seen, and nothing fails. Each wrapper keeps a cheap running :class:`Seq
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -50,6 +51,8 @@ class SequenceDigest:
         value: hash of the first items and of a regular sample of the rest.
         dealing: the wrapper's options that decide each rank's share (its seed, say): equal sequences dealt
             with different options overlap just the same.
+        rank, num_replicas: the share this rank took, of how many (-1 where unknown). Not compared for equality:
+            :func:`verify_same_sequence` checks that the ranks took every share equally often.
     """
 
     sampler: str
@@ -58,6 +61,8 @@ class SequenceDigest:
     items: int
     value: int
     dealing: str = ""
+    rank: int = field(default=-1, compare=False)
+    num_replicas: int = field(default=-1, compare=False)
 
 
 class RunningDigest:
@@ -71,7 +76,16 @@ class RunningDigest:
     hashed items are also validated: each must be an integer index or a sequence of them.
     """
 
-    def __init__(self, sampler: str, epoch: int, declared_length: int, batched: bool, dealing: str = "") -> None:
+    def __init__(
+        self,
+        sampler: str,
+        epoch: int,
+        declared_length: int,
+        batched: bool,
+        dealing: str = "",
+        share: tuple[int, int] = (-1, -1),
+    ) -> None:
+        self._share = share  # (rank, num_replicas) of the share dealt, for the snapshots
         self._sampler = sampler
         self._epoch = epoch
         self._declared_length = declared_length
@@ -121,8 +135,9 @@ class RunningDigest:
             ) from None
 
     def snapshot(self) -> SequenceDigest:
+        rank, num_replicas = self._share
         return SequenceDigest(
-            self._sampler, self._epoch, self._declared_length, self._items, self._value, self._dealing
+            self._sampler, self._epoch, self._declared_length, self._items, self._value, self._dealing, rank, num_replicas
         )
 
 
@@ -154,6 +169,12 @@ def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any
         for mine, theirs in zip(reference, others):
             if mine != theirs:
                 raise _divergence_error(mine, theirs, rank, first)
+    for position, digest in enumerate(reference):  # equal on every rank by now, None (not iterated yet) included
+        if digest is None or digest.num_replicas < 1:
+            continue
+        taken = [others[position].rank for others in gathered]
+        if _unevenly_taken(taken, digest.num_replicas):
+            raise _shares_error(digest, taken, ranks)
 
 
 def report_failure(error: BaseException, group: Optional[Any] = None) -> None:
@@ -193,6 +214,30 @@ def _gather(sent: Any, group: Optional[Any]) -> Optional[list[Any]]:
 def _global_ranks(group: Optional[Any], size: int) -> List[int]:
     """The global rank of each member of ``group``, in the group's order."""
     return list(range(size)) if group is None else dist.get_process_group_ranks(group)
+
+
+def _unevenly_taken(taken: List[int], num_replicas: int) -> bool:
+    """Whether the shares ``taken`` by the ranks (rank ``i`` took share ``taken[i]``) miss or favour a share.
+
+    Every share must be taken equally often: once each in plain data parallelism, ``len(taken) / num_replicas``
+    times each where several ranks train on one share (a data-parallel group inside a larger one)."""
+    repeats, remainder = divmod(len(taken), num_replicas)
+    return remainder != 0 or Counter(taken) != Counter({share: repeats for share in range(num_replicas)})
+
+
+def _shares_error(digest: SequenceDigest, taken: List[int], ranks: List[int]) -> RuntimeError:
+    """The error for shares of ``digest``'s sampler taken unevenly: ``ranks[i]`` took share ``taken[i]``."""
+    by_share: dict[int, List[int]] = {}
+    for rank, share in zip(ranks, taken):
+        by_share.setdefault(share, []).append(rank)
+    listing = "; ".join(f"share {share} on rank(s) {', '.join(map(str, on))}" for share, on in sorted(by_share.items()))
+    missing = sorted(set(range(digest.num_replicas)) - set(by_share))
+    lost = f" (share(s) {', '.join(map(str, missing))} on none: never trained)" if missing else ""
+    return RuntimeError(
+        f"the ranks deal {digest.sampler} among num_replicas={digest.num_replicas} but take its shares unevenly:"
+        f" {listing}{lost}. Each rank must pass its own rank (and the number of ranks as num_replicas), e.g."
+        " num_replicas=dist.get_world_size(), rank=dist.get_rank(), or leave both to the process group."
+    )
 
 
 def _divergence_error(

@@ -328,7 +328,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """This rank's items of the epoch, as consecutive lists."""
         length = self._declared_length()
         total = self._plan(length)
-        digest = RunningDigest(self._source_name, self.epoch, length, self._batched, self._dealing_options())
+        share = (self.rank, self.num_replicas)
+        digest = RunningDigest(self._source_name, self.epoch, length, self._batched, self._dealing_options(), share)
         self._head_digest = None
         self.yielded = []
         generator = torch.Generator().manual_seed(self.seed + self.epoch) if self.shuffle else None

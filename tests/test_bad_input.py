@@ -13,7 +13,7 @@ import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List
 
 import lightning.pytorch as pl
 import pytest
@@ -378,6 +378,36 @@ class SlottedHolder:
 
     def __init__(self) -> None:
         self.guard = threading.Lock()
+
+
+class LeavesItsLockOut:
+    """Pickles without its lock (``__getstate__``), but holds a lambda, which is what pickling fails on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.key = lambda index: index
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "lock"}
+
+
+class ReducesToItsArguments:
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __reduce__(self) -> Any:
+        return ReducesToItsArguments, (self.key,)
+
+
+def test_the_unpicklable_part_is_what_a_class_that_decides_its_pickling_pickles() -> None:
+    """A class with its own __getstate__ or __reduce__ is walked through what it hands pickle, not through its
+    attributes: the lock it leaves out is not named, the lambda it keeps is."""
+    from lightning_ddp_ext._pickling import unpicklable_path
+
+    assert unpicklable_path({"s": LeavesItsLockOut()}, "x") == "x (dict) -> ['s'] (LeavesItsLockOut) -> .key (function)"
+    assert unpicklable_path(ReducesToItsArguments(threading.Lock()), "x") == (
+        "x (ReducesToItsArguments) -> (reduced) args[0] (lock)"
+    )
 
 
 def test_the_unpicklable_part_is_found_in_slots_dict_keys_and_partials() -> None:

@@ -296,6 +296,15 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
     for wrapper in (seed_per_rank, epoch_per_rank):
         next(iter(wrapper))
     pair = torch.distributed.new_group([1, 2])  # a collective: every rank makes it
+    # Shares taken unevenly: every rank passing rank=0 (the other shares never trained), and two ranks of three
+    # taking share 0 of 2. Every rank taking the whole sampler (num_replicas=1) takes each share equally often.
+    shares = {
+        "all_rank_0": DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11), num_replicas=3, rank=0),
+        "two_of_three": DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11), 2, rank % 2),
+        "whole_everywhere": DistributedBatchSamplerWrapper(ClassBalancedBatches(30, 4, seed=11), 1, 0),
+    }
+    for wrapper in shares.values():
+        next(iter(wrapper))
     errors = {}
     calls: Dict[str, Callable[[], None]] = {
         "unseeded": lambda: verify_same_sequence(unseeded.head_digest),
@@ -303,6 +312,9 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
         "epoch_per_rank": lambda: verify_same_sequence(epoch_per_rank.head_digest),
         # ranks 1 and 2 compare within their group (and differ); rank 0, outside it, takes no part and passes
         "subgroup": lambda: verify_same_sequence(unseeded.head_digest, group=pair),
+        "all_rank_0": lambda: verify_same_sequence(shares["all_rank_0"].head_digest),
+        "two_of_three": lambda: verify_same_sequence(shares["two_of_three"].head_digest),
+        "whole_everywhere": lambda: verify_same_sequence(shares["whole_everywhere"].head_digest),
         # rank 2 compares one sampler more than the others: the extra one must not go unchecked
         "count": lambda: verify_same_sequence(*[seeded.head_digest] * (1 + (rank == 2))),
         # rank 1 failed before it had digests: the others must raise at once, naming it, not wait for it
@@ -336,7 +348,12 @@ def test_three_gloo_processes_with_workers_partition_each_epoch() -> None:
     assert "seed=100, shuffle_window=None on rank 0 but" in errors["seed_per_rank"]
     assert "epoch 1 on rank 0 but 0 on rank 1" in errors["epoch_per_rank"], errors["epoch_per_rank"]
     assert "Call set_epoch(epoch) with the same epoch on every rank" in errors["epoch_per_rank"]
-    every_rank = {"unseeded", "count", "seed_per_rank", "epoch_per_rank"}
+    every_rank = {"unseeded", "count", "seed_per_rank", "epoch_per_rank", "all_rank_0", "two_of_three"}
+    assert errors["all_rank_0"].startswith(
+        "the ranks deal ClassBalancedBatches among num_replicas=3 but take its shares unevenly: share 0 on rank(s) 0,"
+        " 1, 2 (share(s) 1, 2 on none: never trained). Each rank must pass its own rank"
+    ), errors["all_rank_0"]
+    assert "share 0 on rank(s) 0, 2; share 1 on rank(s) 1." in errors["two_of_three"], errors["two_of_three"]
     for rank, (_, raised) in enumerate(results):
         expected = every_rank | ({"failure"} if rank != 1 else set()) | ({"subgroup"} if rank > 0 else set())
         assert raised.keys() == expected, (rank, raised)
