@@ -142,7 +142,8 @@ class RunningDigest:
 
 
 def verify_same_sequence(*digests: Optional[SequenceDigest], group: Optional[Any] = None) -> None:
-    """Raise RuntimeError unless every rank of ``group`` holds the same digests, in one collective.
+    """Raise RuntimeError unless every rank of ``group`` holds the same digests, in one collective, and the ranks
+    take every share of each dealt sequence equally often (not all ``rank=0``, say).
 
     Every rank must call this at the same point with digests of the same samplers in the same order (it
     is a collective), or :func:`report_failure` in its place. ``None`` entries (a sampler not iterated yet)
