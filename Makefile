@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 
 $(VENV_LOWEST)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	$(PYTHON) -m venv $(VENV_LOWEST)
-	# Lightning < 2.3 imports pkg_resources, which setuptools 81 removed.
+	# Lightning < 2.4 imports pkg_resources, which setuptools 81 removed.
 	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)" "setuptools>=77,<81"
 	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
@@ -44,7 +44,7 @@ RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_
 	test_ranks_leave_no_gloo_thread_to_interpreter_finalisation test_spawn_a_failing_rank_ends_the_whole_job \
 	test_a_mid_epoch_checkpoint_of_one_rank_resumes_on_two_right_after_the_batches_it_trained \
 	test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once)
-# Lightning 2.2 makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
+# Lightning 2.2 (and 2.3) makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
 # and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
 SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \
 	test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process)

@@ -32,7 +32,7 @@ except ModuleNotFoundError as error:  # only a missing Lightning is tolerated, n
     def __getattr__(name: str) -> object:
         if name in _NEEDS_LIGHTNING:
             raise ImportError(
-                f"lightning_ddp_ext.{name} needs Lightning 2.x: pip install 'lightning>=2.2,<3'."
+                f"lightning_ddp_ext.{name} needs Lightning 2.x: pip install 'lightning>=2.2,!=2.5.0.*,<3'."
             ) from _LIGHTNING_IMPORT_ERROR
         raise AttributeError(f"module 'lightning_ddp_ext' has no attribute {name!r}")
 
