@@ -221,7 +221,10 @@ def _unevenly_taken(taken: List[int], num_replicas: int) -> bool:
     """Whether the shares ``taken`` by the ranks (rank ``i`` took share ``taken[i]``) miss or favour a share.
 
     Every share must be taken equally often: once each in plain data parallelism, ``len(taken) / num_replicas``
-    times each where several ranks train on one share (a data-parallel group inside a larger one)."""
+    times each where several ranks train on one share (a data-parallel group inside a larger one). A group of
+    fewer ranks than shares (a subgroup of the ranks that deal the sampler) cannot tell, and passes."""
+    if len(taken) < num_replicas:
+        return False
     repeats, remainder = divmod(len(taken), num_replicas)
     return remainder != 0 or Counter(taken) != Counter({share: repeats for share in range(num_replicas)})
 

@@ -330,6 +330,26 @@ def _three_rank_epochs(rank: int, world_size: int) -> Any:
     return gathered, errors
 
 
+@pytest.mark.parametrize(
+    "taken,num_replicas,uneven",
+    [
+        ([0, 1, 2], 3, False),
+        ([2, 0, 1], 3, False),
+        ([0, 0, 0], 3, True),  # rank=0 everywhere
+        ([0, 1, 0], 2, True),  # share 0 trained twice as often
+        ([0, 0, 1, 1], 2, False),  # a data-parallel group of 2 inside 4 ranks
+        ([0, 1, 1, 1], 2, True),
+        ([0, 0], 1, False),  # every rank takes the whole sampler
+        ([1, 2], 3, False),  # a subgroup of the 3 ranks that deal it: cannot tell
+        ([1, 1], 3, False),  # (a data-parallel rank's model-parallel pair, say)
+    ],
+)
+def test_shares_must_be_taken_equally_often_by_a_group_that_can_tell(
+    taken: List[int], num_replicas: int, uneven: bool
+) -> None:
+    assert consistency._unevenly_taken(taken, num_replicas) is uneven
+
+
 def test_a_rank_out_of_step_with_a_loader_that_is_not_dealt_is_told_so() -> None:
     """One rank in a loader's length check, another in an epoch's digest check (ranks with different loaders)."""
     not_dealt = SequenceDigest(NOT_DEALT_SOURCE, -1, NOT_DEALT, 0, 0)
