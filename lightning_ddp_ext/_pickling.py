@@ -51,12 +51,12 @@ def _parts(obj: Any) -> Iterator[Tuple[str, Any]]:
                 yield f".{name}", getattr(obj, name)
 
 
+_PICKLING_HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__")
+
+
 def _customises_pickling(cls: type) -> bool:
     """Whether ``cls`` decides itself what pickling it pickles (``__getstate__``, ``__reduce__``...)."""
     return any(getattr(cls, name, None) is not getattr(object, name, None) for name in _PICKLING_HOOKS)
-
-
-_PICKLING_HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__")
 
 
 def _reduced_parts(obj: Any) -> Iterator[Tuple[str, Any]]:

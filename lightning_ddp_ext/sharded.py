@@ -914,10 +914,14 @@ class CustomDDPSharded(CustomDDP):
         return cast(Module, wrapper(model, optimizers, process_group=self.data_parallel_group, **kwargs))
 
     # ------------------------------------------------------------------ steps
+    def _sharded_wrapper(self) -> Any:
+        """The model's ShardedDataParallel wrapper, or None before wrapping."""
+        return self.model if isinstance(self.model, _sharded_data_parallel_class()) else None
+
     @override
     def _synchronises_gradients(self) -> bool:
         """fairscale's wrapper reduces gradients in backward unless inside its ``no_sync``."""
-        wrapper: Any = self.model if isinstance(self.model, _sharded_data_parallel_class()) else None
+        wrapper = self._sharded_wrapper()
         return self.world_size > 1 and wrapper is not None and not wrapper._should_accumulate_grads
 
     @override
@@ -926,7 +930,7 @@ class CustomDDPSharded(CustomDDP):
     ) -> torch.Tensor:
         """Lightning's backward, with the wrapper reducing this backward pass also when it is not the first after
         a forward (see the wrapper's ``reduce_every_backward``)."""
-        wrapper: Any = self.model if isinstance(self.model, _sharded_data_parallel_class()) else None
+        wrapper = self._sharded_wrapper()
         if wrapper is not None:
             wrapper.reduce_every_backward = True
         try:
