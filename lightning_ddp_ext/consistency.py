@@ -268,7 +268,8 @@ def _divergence_error(
         if other.epoch != reference.epoch:
             return RuntimeError(
                 f"the ranks deal {known.sampler} for different epochs: epoch {reference.epoch} on {first} but"
-                f" {other.epoch} on {second}, so their shares come from different orders and overlap. Call"
+                f" {other.epoch} on {second}, so their shares may come from different orders (wherever the epoch seeds"
+                " the order) and overlap. Call"
                 " set_epoch(epoch) with the same epoch on every rank before each epoch (on"
                 " loader.batch_sampler.sampler, or on loader.sampler when loader.batch_sampler is None)."
             )

@@ -985,6 +985,13 @@ class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
         super().__init__(batch_sampler, num_replicas, rank, shuffle, seed, pad, shuffle_window, even_shares)
         self.sampler = _EpochRelay(self)
 
+    def __copy__(self) -> "DistributedBatchSamplerWrapper":
+        # A shallow copy must get a relay of its own: the original's would set the original's epoch.
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.sampler = _EpochRelay(clone)
+        return clone
+
     @property
     def batch_sampler(self) -> Iterable[Sequence[int]]:
         """The user's batch sampler, unchanged."""

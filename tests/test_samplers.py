@@ -1,6 +1,7 @@
 """Sharding math of the sampler wrappers: every rank's share computed in one process."""
 from __future__ import annotations
 
+import copy
 import math
 import re
 import subprocess
@@ -298,6 +299,14 @@ def test_set_epoch_is_forwarded_to_sampler_and_its_inner_sampler() -> None:
     batch_sampler = BatchSampler(Inner(), 2, False)  # type: ignore[arg-type]
     DistributedBatchSamplerWrapper(batch_sampler, 2, 1).set_epoch(5)
     assert batch_sampler.sampler.epoch == 5  # type: ignore[attr-defined]
+
+
+def test_a_shallow_copy_relays_epochs_to_itself() -> None:
+    original = DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True)
+    clone = copy.copy(original)
+    clone.sampler.set_epoch(2)
+    assert (original.epoch, clone.epoch) == (0, 2) and clone.batch_sampler is original.batch_sampler
+    assert list(clone) == list(DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True, seed=2))
 
 
 def test_user_object_is_not_mutated_or_rebuilt() -> None:
