@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import cmath
 import math
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Sized, Tuple, Type, Union
@@ -66,8 +67,8 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
     Raises:
         ValueError: If ranks disagree on keys, on the kind of value under a key, or on the trailing shape or
             dtype of a tensor that is to be concatenated, or ``world_size`` is wrong; raised on every rank.
-        TypeError: If a rank passes no dict (also without a process group), a sparse tensor or a value that
-            cannot be pickled; raised on every rank, naming the rank.
+        TypeError: If a rank passes no dict (also without a process group), a sparse tensor, a value that
+            cannot be pickled or a ``world_size`` that is no int; raised on every rank, naming the rank.
     """
     ranks, problem = _ranks_to_gather(world_size, group)
     if problem is None and not isinstance(d, dict):  # also without a group, so the mistake shows on one process
@@ -104,7 +105,8 @@ def gather_in_order(
         values: This rank's outputs: a tensor whose first dim runs over samples, or a sequence of per-sample
             objects.
         indices: The dataset index of each of those samples (1-D integer tensor or sequence of ints).
-        dataset_size: If given, every index in ``range(dataset_size)`` must be present and no other.
+        dataset_size: If given, every index in ``range(dataset_size)`` must be present and no other; the same
+            on every rank.
         group: The process group to gather over; the default group if ``None``.
 
     Returns:
@@ -114,9 +116,10 @@ def gather_in_order(
     Raises:
         ValueError: If ``values`` and ``indices`` differ in length, indices are not 1-D integers (per-batch
             lists included), ranks pass values of different kinds, trailing shapes or dtypes, one index
-            carries two different values, or, with ``dataset_size``, an index is missing or out of range.
+            carries two different values, or, with ``dataset_size``, an index is missing or out of range, or
+            ``dataset_size`` is negative or differs between ranks.
         TypeError: If ``values`` is no sequence (a dict or a set is not one), an index is no number, a value
-            cannot be sent, or two values of a repeated index cannot be compared.
+            cannot be sent, two values of a repeated index cannot be compared, or ``dataset_size`` is no int.
         Either is raised on every rank, naming the rank when only some ranks passed bad input.
     """
     return _gather_in_order(values, indices, dataset_size, group)
@@ -133,13 +136,21 @@ def _gather_in_order(
     local: Dict[str, Any] = {}
     try:
         if problem is None:
+            size = _checked_dataset_size(dataset_size)
             index = _as_index_tensor(indices)
             local = {"values": _per_sample(values, index.numel()), "indices": index}
+            local["dataset_size"] = torch.tensor([-1 if size is None else size])  # compared once gathered
     except Exception as error:  # this rank's alone: it travels to the others with the first exchange
         local, problem = {}, error
     ranks, _ = _ranks_to_gather(None, group)
     if ranks > 1:
         local = _exchange(local, ranks, group, problem, _check_gathered, caller="gather_in_order")
+        sizes = [None if size < 0 else size for size in local["dataset_size"].tolist()]
+        if len(set(sizes)) > 1:  # every rank holds them all: every rank raises
+            raise ValueError(
+                f"gather_in_order: dataset_size is {_by_rank(sizes)}; pass the same dataset_size on every rank"
+                " (the number of samples of the whole dataset, len(dataset)), or None on every rank"
+            )
     elif problem is not None:
         raise problem
     # A rank outside `group` (0 ranks) holds only its own values: no dataset_size to check them against.
@@ -149,7 +160,24 @@ def _gather_in_order(
 # --- the exchange ----------------------------------------------------------------------------------------------
 
 
-def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[int, Optional[ValueError]]:
+def _checked_dataset_size(dataset_size: Optional[int]) -> Optional[int]:
+    """``dataset_size`` as an int (None stays None), or the error saying what to pass."""
+    if dataset_size is None:
+        return None
+    try:
+        size = operator.index(dataset_size) if not isinstance(dataset_size, bool) else None
+    except TypeError:
+        size = None
+    if size is None:
+        raise TypeError(
+            f"gather_in_order: dataset_size must be an int (len(dataset)) or None, got {type(dataset_size).__name__}"
+        )
+    if size < 0:
+        raise ValueError(f"gather_in_order: dataset_size must be at least 0 (len(dataset)), got {size}")
+    return size
+
+
+def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[int, Optional[Exception]]:
     """How many ranks to gather over (1: nothing to gather; 0: this rank is outside ``group``), and what is wrong
     with ``world_size``, if anything.
 
@@ -159,6 +187,9 @@ def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[i
     """
     initialized = dist.is_available() and dist.is_initialized()
     ranks = 1 if world_size == 1 or not initialized else max(dist.get_world_size(group), 0)
+    if world_size is not None and (isinstance(world_size, bool) or not hasattr(type(world_size), "__index__")):
+        kind = type(world_size).__name__
+        return max(ranks, 1), TypeError(f"world_size must be an int (the number of ranks) or None, got {kind}")
     if world_size is not None and world_size < 1:
         return max(ranks, 1), ValueError(f"world_size must be at least 1, got {world_size}")
     if initialized and ranks and world_size not in (None, 1, ranks):
@@ -463,11 +494,13 @@ def _merge_values(kind: str, parts: List[Any]) -> Any:
 def _cat_rows(parts: List[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0, 0-dim tensors counting as one row.
 
-    Parts that already lie back to back in memory (a lone tensor of the same size on every rank, the usual case
-    behind a padding sampler) are returned as one view of that memory instead of being copied.
+    Parts that already fill their buffer back to back (a lone tensor of the same size on every rank) are
+    returned as one view of it instead of being copied; parts that lie back to back in a larger buffer only by
+    chance are copied, or a small result would keep the whole buffer alive.
     """
     parts = [p.reshape(1) if p.dim() == 0 else p for p in parts]
-    if all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(parts, parts[1:])):
+    contiguous = all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(parts, parts[1:]))
+    if contiguous and sum(p.nbytes for p in parts) == parts[0].untyped_storage().nbytes():
         first = parts[0]
         rows = sum(p.shape[0] for p in parts)
         return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())

@@ -199,6 +199,11 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
 
     # Same size on every rank and nothing else to send: the received buffer itself is the result.
     results["equal_rows"] = sync_dicts({"x": _equal_rows(rank)})["x"]
+    # Rank 0's last tensor and rank 1's first lie back to back in the received buffer, by chance of order and
+    # size: the small result must be a copy, not a view that keeps the whole buffer alive.
+    big, small = torch.zeros(1000), torch.ones(8)
+    by_chance = sync_dicts({"big": big, "small": small} if rank == 0 else {"small": small, "big": big})
+    results["small_result_storage"] = by_chance["small"].untyped_storage().nbytes()
     results["errors"] = {name: _error_of(lambda d=d: sync_dicts(d)) for name, d in _bad_inputs(rank).items()}
     results["errors"]["world_size"] = _error_of(lambda: sync_dicts({"a": 1}, world_size=world_size + 1))
     results["after_errors"] = sync_dicts({"rank": rank}, world_size=world_size)  # still in step after raising
@@ -266,6 +271,9 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "sparse": lambda: sync_dicts({"t": torch.eye(2).to_sparse() if bad else torch.eye(2)}),
         "unpicklable": lambda: sync_dicts({"f": (lambda: 0) if bad else 1}),
         "world_size": lambda: sync_dicts({"a": 1}, world_size=world_size + 1 if bad else world_size),
+        "str_world_size": lambda: sync_dicts({"a": 1}, world_size=str(world_size) if bad else world_size),  # type: ignore[arg-type]
+        "float_dataset_size": lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], 4.0 if bad else 4),  # type: ignore[arg-type]
+        "negative_dataset_size": lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], -1 if bad else 4),
         "none_index": lambda: gather_in_order(torch.zeros(2, 1), [0, None] if bad else [2, 3]),  # type: ignore[list-item]
         "zero_world_size": lambda: sync_dicts({"a": 1}, world_size=0 if bad else world_size),
         "per_batch_indices": lambda: gather_in_order(
@@ -292,6 +300,8 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
     alone = dist.new_group([0])  # every rank must create it; rank 1 is outside it
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
+        # No rank is wrong alone: the ranks disagree. Rank 0 went on to its next collective before this was checked.
+        "dataset_size_differs": _error_of(lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], 4 if bad else 3)),
         "after_errors": sync_dicts({"rank": rank}),
         "cause": cause,
         "outside_group": (
@@ -385,6 +395,11 @@ def test_equal_sizes_on_every_rank(per_rank: List[Dict[str, Any]]) -> None:
     expected = torch.cat([_equal_rows(r) for r in range(len(per_rank))])
     for rank, results in enumerate(per_rank):
         _assert_same(results["equal_rows"], expected, f"rank {rank}")
+
+
+def test_a_small_result_does_not_keep_the_received_buffer_alive(per_rank: List[Dict[str, Any]]) -> None:
+    for results in per_rank:
+        assert results["small_result_storage"] == 8 * 4 * len(per_rank)
 
 
 def test_tensors_do_not_travel_as_pickles(per_rank: List[Dict[str, Any]]) -> None:
@@ -529,6 +544,9 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("world_size", "ValueError", ["world_size=3"]),
         ("none_index", "TypeError", ["gather_in_order", "indices must be a 1-D integer tensor", "NoneType"]),
         ("zero_world_size", "ValueError", ["world_size must be at least 1, got 0"]),
+        ("str_world_size", "TypeError", ["world_size must be an int", "got str"]),
+        ("float_dataset_size", "TypeError", ["gather_in_order: dataset_size must be an int", "got float"]),
+        ("negative_dataset_size", "ValueError", ["gather_in_order: dataset_size must be at least 0", "got -1"]),
         ("per_batch_indices", "ValueError", ["gather_in_order", "indices holds 2 batches", "torch.cat"]),
         ("per_batch_values", "ValueError", ["gather_in_order", "2 values but 4 indices", "torch.cat"]),
         ("str_indices", "TypeError", ["gather_in_order", "sequence of ints", "str at position 0"]),
@@ -553,6 +571,15 @@ def test_one_ranks_bad_call_raises_on_every_rank(
             assert word in error[1], f"rank {rank}: {word!r} not in {error[1]!r}"
         assert "rank 1" not in error[1], error[1]
         assert not (gathering and "sync_dicts" in error[1]), error[1]
+
+
+def test_a_dataset_size_that_differs_between_ranks_raises_on_every_rank(lone_bad_calls: List[Dict[str, Any]]) -> None:
+    for rank, results in enumerate(lone_bad_calls):
+        assert results["dataset_size_differs"] == (
+            "ValueError",
+            "gather_in_order: dataset_size is 4 on rank 0, 3 on rank 1; pass the same dataset_size on every rank"
+            " (the number of samples of the whole dataset, len(dataset)), or None on every rank",
+        ), f"rank {rank}"
 
 
 def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[str, Any]]) -> None:
