@@ -190,6 +190,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
+        self._forwarded_epoch: Optional[int] = None  # the epoch the user's sampler was last given
         #: When False, :meth:`set_epoch` leaves out the user's batch sampler itself (see there).
         self.forward_epoch_to_batch_sampler = True
         self._resume: Optional[tuple[int, Union[int, Callable[[], int]]]] = None
@@ -257,9 +258,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         Forwarded to ``source.set_epoch`` and, for a batch sampler, to ``source.sampler.set_epoch`` when
         they exist, as a training loop calls torch's ``DistributedSampler``. A single-process Lightning loop
         reaches only the second; with :attr:`forward_epoch_to_batch_sampler` False (``CustomDDP`` under
-        ``overfit_batches``, which must train the same batches every epoch) so does this.
+        ``overfit_batches``, which must train the same batches every epoch) so does this. An epoch is forwarded
+        once, however often it is set (a strategy sets it before Lightning's loop does), so a sampler whose
+        ``set_epoch`` advances a curriculum counts each epoch once.
         """
         self.epoch = epoch
+        if epoch == self._forwarded_epoch:
+            return
         targets: dict[int, Any] = {}
         own = self.source if self.forward_epoch_to_batch_sampler or not self._batched else None
         for candidate in (own, getattr(self.source, "sampler", None) if self._batched else None):
@@ -268,6 +273,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 targets[id(candidate)] = set_epoch
         for set_epoch in targets.values():
             set_epoch(epoch)
+        self._forwarded_epoch = epoch
 
     @property
     def head_digest(self) -> Optional[SequenceDigest]:

@@ -296,6 +296,9 @@ def test_set_epoch_is_forwarded_to_sampler_and_its_inner_sampler() -> None:
     wrapper = DistributedBatchSamplerWrapper(source, 2, 0)
     wrapper.sampler.set_epoch(3)  # the path Lightning's loops take: loader.batch_sampler.sampler.set_epoch
     assert wrapper.epoch == 3 and source.epochs_seen == [3]
+    wrapper.set_epoch(3)  # set again (a strategy sets it before Lightning's loop does): forwarded once
+    wrapper.set_epoch(4)
+    assert wrapper.epoch == 4 and source.epochs_seen == [3, 4]
     batch_sampler = BatchSampler(Inner(), 2, False)  # type: ignore[arg-type]
     DistributedBatchSamplerWrapper(batch_sampler, 2, 1).set_epoch(5)
     assert batch_sampler.sampler.epoch == 5  # type: ignore[attr-defined]

@@ -527,16 +527,22 @@ class Reloading(Recorder):
     def on_train_epoch_end(self) -> None:
         watched = self.trainer.strategy._watched  # type: ignore[attr-defined]
         self.facts.setdefault("watched", []).append([len(watched.get("train", [])), len(watched.get("eval", []))])
+        user_sampler = self.trainer.train_dataloader.batch_sampler.batch_sampler  # type: ignore[union-attr]
+        self.facts.setdefault("epochs_given", []).append(user_sampler.epochs_set)
 
 
 def test_reloaded_loaders_replace_the_watched_wrappers(tmp_path: Path) -> None:
-    """reload_dataloaders_every_n_epochs=1 with new samplers each time: the wrappers checked do not pile up."""
+    """reload_dataloaders_every_n_epochs=1 with new samplers each time: the wrappers checked do not pile up, and
+    each sampler is given its epoch once."""
     trainer = pl.Trainer(
         strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=3, reload_dataloaders_every_n_epochs=1)
     )
     trainer.fit(Reloading(str(tmp_path)))
     for report in read_ranks(str(tmp_path), 2):
         assert report["facts"]["watched"] == [[1, 1]] * 3
+        # Each new sampler is given its epoch once (the strategy sets it first, then Lightning's loop): a sampler
+        # whose set_epoch advances a curriculum must not advance twice.
+        assert report["facts"]["epochs_given"] == [[0], [1], [2]]
 
 
 class IntegerMeanInStep(pl.LightningModule):
