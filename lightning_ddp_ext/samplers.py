@@ -202,6 +202,39 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self._epoch_digest: Optional[SequenceDigest] = None
         self._plan(self._declared_length())  # fail early on an empty or too short source
 
+    # ------------------------------------------------------------------ the user's settings, through the wrapper
+    #: The wrapper's own public attributes (besides its class's): set on the wrapper, never on the user's object.
+    _OWN_ATTRIBUTES = frozenset(
+        {"source", "num_replicas", "rank", "shuffle", "seed", "pad", "shuffle_window", "even_shares", "epoch"}
+        | {"forward_epoch_to_batch_sampler", "record_yielded", "yielded", "sampler"}
+    )
+    #: Not read through: Lightning takes a batch sampler that has both for one it can rebuild around a sampler of
+    #: its own, which a wrapper is not (it would fail with a less clear error).
+    _NOT_FORWARDED = frozenset({"batch_size", "drop_last"})
+
+    def _forwards(self, name: str) -> bool:
+        """Whether ``name`` is a data attribute of the user's object that the wrapper reads and writes through."""
+        if name.startswith("_") or name in self._OWN_ATTRIBUTES or name in self._NOT_FORWARDED:
+            return False
+        source = self.__dict__.get("source")
+        return name in getattr(source, "__dict__", ()) and name not in self.__dict__ and not hasattr(type(self), name)
+
+    def __getattr__(self, name: str) -> Any:
+        """The user's object's data attributes read through the wrapper, as on one device, where the loader holds
+        the user's object itself (a callback that reads ``trainer.train_dataloader.batch_sampler.limit``)."""
+        if self._forwards(name):
+            return getattr(self.__dict__["source"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a data attribute of the user's object through the wrapper (a curriculum callback raising
+        ``batch_sampler.limit``): set on the wrapper, it would change nothing, silently. The wrapper's own
+        attributes, and names the user's object does not have, are set on the wrapper."""
+        if self._forwards(name):
+            setattr(self.__dict__["source"], name, value)
+        else:
+            super().__setattr__(name, value)
+
     # ------------------------------------------------------------------ sizes
     def _declared_length(self) -> int:
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import re
 import subprocess
 import sys
@@ -310,6 +311,26 @@ def test_a_shallow_copy_relays_epochs_to_itself() -> None:
     clone.sampler.set_epoch(2)
     assert (original.epoch, clone.epoch) == (0, 2) and clone.batch_sampler is original.batch_sampler
     assert list(clone) == list(DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True, seed=2))
+
+
+def test_the_users_data_attributes_are_read_and_set_through_the_wrapper() -> None:
+    """As on one device, where the loader holds the user's object: a callback raising a curriculum's ``limit``."""
+    source = VariableBatches(6)
+    source.seed = 5  # type: ignore[attr-defined]
+    wrapper = DistributedBatchSamplerWrapper(source, 2, 0)
+    wrapper.num_batches = 4  # type: ignore[attr-defined]
+    assert source.num_batches == 4 and wrapper.num_batches == 4 and len(wrapper) == 2  # type: ignore[attr-defined]
+    assert "num_batches" not in vars(wrapper)
+    wrapper.seed = 7  # the wrapper's own settings stay its own, whatever the user's object has
+    assert (wrapper.seed, source.seed) == (7, 5)  # type: ignore[attr-defined]
+    wrapper.note = "new"  # type: ignore[attr-defined]  # a name the user's object lacks: the wrapper's
+    assert not hasattr(source, "note")
+    plain = DistributedBatchSamplerWrapper(BatchSampler(SequentialSampler(range(10)), 3, False), 2, 0)
+    # Lightning rebuilds a batch sampler that has both around a sampler of its own: a wrapper must not look like one.
+    assert not hasattr(plain, "batch_size") and not hasattr(plain, "drop_last")
+    assert not hasattr(plain, "__pl_saved_args") and not hasattr(plain, "state_dict")
+    restored = pickle.loads(pickle.dumps(wrapper))
+    assert restored.num_batches == 4 and copy.deepcopy(wrapper).num_batches == 4  # type: ignore[attr-defined]
 
 
 def test_user_object_is_not_mutated_or_rebuilt() -> None:

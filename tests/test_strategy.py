@@ -545,6 +545,36 @@ def test_reloaded_loaders_replace_the_watched_wrappers(tmp_path: Path) -> None:
         assert report["facts"]["epochs_given"] == [[0], [1], [2]]
 
 
+class CurriculumBatches:
+    """Four batches of two from the first ``limit`` indices (the easy samples); a callback raises ``limit``."""
+
+    def __init__(self) -> None:
+        self.limit = 4
+
+    def __len__(self) -> int:
+        return 4
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter([[(2 * i) % self.limit, (2 * i + 1) % self.limit] for i in range(4)])
+
+
+class RaiseTheLimit(pl.Callback):
+    """Written as on one device, where the loader holds the user's batch sampler itself."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.train_dataloader.batch_sampler.limit = 4 * (trainer.current_epoch + 1)  # type: ignore[union-attr]
+
+
+def test_a_callback_setting_the_batch_samplers_attribute_reaches_the_users_sampler(tmp_path: Path) -> None:
+    """Set on the wrapper, ``limit`` would change nothing, silently: it is the user's sampler's, set through."""
+    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", callbacks=[RaiseTheLimit()], **trainer_kwargs())
+    trainer.fit(Recorder(str(tmp_path)), DataLoader(IndexDataset(), batch_sampler=CurriculumBatches()))
+    ranks = read_ranks(str(tmp_path), 2)
+    for epoch, expected in ((0, range(4)), (1, range(8))):
+        seen = {i for r in range(2) for batch in batches_of(ranks[r], "train/only", epoch) for i in batch}
+        assert seen == set(expected), f"epoch {epoch}"
+
+
 class IntegerMeanInStep(pl.LightningModule):
     """Reduces an integer tensor to its mean inside a training step, where half-precision plugins lower the
     default dtype."""
