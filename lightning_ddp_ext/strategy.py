@@ -203,6 +203,14 @@ def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
     return wrapper.epoch_digest if wrapper.even_shares else None
 
 
+def _is_empty(loader: object) -> bool:
+    """Whether ``loader`` is sized and empty (a ``val_dataloader`` returning ``[]``)."""
+    try:
+        return len(loader) == 0  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - unsized, or a __len__ that fails: not known to be empty
+        return False
+
+
 def _index_sampler(loader: object) -> object:
     """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler`` (or torchdata's
     copy), whether made from ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else
@@ -420,7 +428,8 @@ class CustomDDP(DDPStrategy):
             kwargs["device_id"] = self.root_device  # torch 2.3 on: binds the group to the GPU (eager NCCL set-up)
         log.info(f"Initializing distributed: GLOBAL_RANK: {global_rank}, MEMBER: {global_rank + 1}/{world_size}")
         dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)
-        rank_zero_info(f"{type(self).__name__}: {world_size} processes joined over {backend}.")
+        joined = "1 process" if world_size == 1 else f"{world_size} processes"
+        rank_zero_info(f"{type(self).__name__}: {joined} joined over {backend}.")
 
     def select_process_group_backend(self) -> str:
         """``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo otherwise."""
@@ -932,7 +941,7 @@ class CustomDDP(DDPStrategy):
             # Every rank must deal the same number of items, or the ranks step different numbers of times. Every
             # loader takes part, dealt or not, so that no rank is left waiting for one that deals no loader here.
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
-        if not isinstance(dataloader, DataLoader):
+        if not isinstance(dataloader, DataLoader) and not _is_empty(dataloader):  # nothing to shard in []
             self._warn_unsharded(dataloader, stage)
         # Not dealt here (patched is None): its user's, possibly with our wrapper, or not a DataLoader. Prepared
         # and checked as if we had dealt it.
@@ -1313,11 +1322,20 @@ class CustomDDP(DDPStrategy):
         return loader
 
     def evaluated_indices(self, dataloader_idx: int = 0) -> List[int]:
-        """The dataset indices this rank's evaluation loader yielded this run, in order, padding excluded.
+        """The dataset indices of the samples this rank evaluated from loader ``dataloader_idx`` in this run, in
+        order, padding excluded.
 
-        The strategy dealt them, so a LightningModule needs no index bookkeeping of its own: outputs
-        collected in ``validation_step`` line up with these indices (the first ``len(outputs)`` of them).
+        The strategy dealt them, so a LightningModule needs no index bookkeeping of its own: outputs collected in
+        ``validation_step`` line up with these indices. Batches a limit or the sanity check left unevaluated are
+        not included; inside a batch (or a step that takes ``dataloader_iter``), where that count is not known,
+        every index the loader yielded so far is (the first ``len(outputs)`` of them line up).
         """
+        indices = self._yielded_indices(dataloader_idx)
+        evaluated = self._evaluated_samples(dataloader_idx)  # padding included: it comes after the real samples
+        return indices if evaluated is None else indices[:evaluated]
+
+    def _yielded_indices(self, dataloader_idx: int) -> List[int]:
+        """The dataset indices evaluation loader ``dataloader_idx`` yielded in this run, padding excluded."""
         trainer = self._attached_trainer
         if trainer is not None and _compat.evaluation_combine_mode(trainer) == "max_size_cycle":
             raise RuntimeError(

@@ -296,8 +296,9 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
             owns = [order[r::2] for r in range(2)]
         else:  # batches r, r + 2, ... (exact mode: no padding)
             owns = [[i for batch in dealt[r::2][:batches_a_run] for i in batch] for r in range(2)]
-        for rank, own in enumerate(owns):  # the loader may have yielded more than was evaluated (prefetching)
-            assert reports[rank][run]["evaluated"][: len(own)] == own, (run, rank)
+        for rank, own in enumerate(owns):  # the loader may have yielded more than was evaluated (prefetching):
+            got = reports[rank][run]["evaluated"]  # those are left out, unless a dataloader_iter step hides the count
+            assert (got[: len(own)] if case == "dataloader_iter" else got) == own, (run, rank)
         evaluated = sorted(owns[0] + owns[1])
         with torch.no_grad():
             expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))

@@ -620,6 +620,22 @@ class OrderRecorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class OrderRecorderWithValidation(OrderRecorder):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("val_dataloaders, warned", [([], False), ([[(torch.ones(2, 1),)]], True)], ids=["empty", "list"])
+def test_a_loader_that_is_no_dataloader_is_warned_about_unless_empty(val_dataloaders: Any, warned: bool) -> None:
+    """A list of batches cannot be sharded (every rank runs all of it); ``[]`` (no validation) has nothing to shard."""
+    with single_rank_in_this_process(free_port()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+        trainer.fit(OrderRecorderWithValidation(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2), val_dataloaders)
+    said = [str(w.message) for w in caught if "is not a torch DataLoader, so it cannot be sharded" in str(w.message)]
+    assert bool(said) == warned, said
+
+
 def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> None:
     """Plain loaders get a DistributedSampler seeded like stock Lightning's (seed_everything's seed, unless the
     strategy is given one), so runs with different seeds see different orders; shuffle=False stays in order,
