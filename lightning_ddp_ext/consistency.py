@@ -125,6 +125,9 @@ class RunningDigest:
             hint = f" {error}" if isinstance(error, _store.NotIndicesError) else (
                 " If it yields single indices, wrap it with DistributedSamplerWrapper instead."
                 if self._batched
+                else " A dataset keyed by strings is dealt by position: let the sampler yield positions 0 to"
+                " len(dataset) - 1 and map them to keys in the dataset's __getitem__."
+                if isinstance(item, (str, bytes))
                 else " If it yields batches, wrap it with DistributedBatchSamplerWrapper instead (in a"
                 " DataLoader(sampler=..., batch_size=None), pass sampler=DistributedBatchSamplerWrapper(your_sampler):"
                 " patch_dataloader_to_ddp and CustomDDP leave a loader that is already dealt as it is)."

@@ -251,6 +251,12 @@ def patch_dataloader_to_ddp(
     (``batch_size=None``): in every loader this shards that is the new sampler, or for a custom batch sampler
     a relay to its wrapper (where Lightning's loop calls it too).
 
+    A custom sampler is run whole on every rank, each keeping every W-th item, so it must draw the same sequence
+    on every rank: seed it identically (an unseeded ``WeightedRandomSampler`` or ``SubsetRandomSampler`` draws
+    from each process's own seed, and the shares overlap). ``CustomDDP`` checks that itself; in plain PyTorch
+    pass the wrapper's ``head_digest`` to :func:`~lightning_ddp_ext.consistency.verify_same_sequence` once the
+    first batch is drawn.
+
     Args:
         loader: the single-process DataLoader.
         num_replicas: number of ranks; defaults to the default process group's world size.

@@ -333,6 +333,12 @@ def test_the_users_data_attributes_are_read_and_set_through_the_wrapper() -> Non
     assert restored.num_batches == 4 and copy.deepcopy(wrapper).num_batches == 4  # type: ignore[attr-defined]
 
 
+def test_an_index_sampler_yielding_keys_is_told_to_yield_positions() -> None:
+    """A map-style dataset may be keyed by strings; the wrappers deal integer indices, and say so."""
+    with pytest.raises(TypeError, match=r"yielded 'a' \(str\) at position 0; .* dealt by position: let the sampler yield"):
+        list(DistributedSamplerWrapper(["a", "b", "c", "d"], 2, 0))
+
+
 def test_user_object_is_not_mutated_or_rebuilt() -> None:
     source = BatchSampler(SequentialSampler(range(10)), 3, False)
     before = dict(vars(source))
