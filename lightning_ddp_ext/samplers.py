@@ -18,7 +18,9 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
+import inspect
 import operator
+import sys
 import warnings
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
@@ -190,7 +192,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
-        self._forwarded_epoch: Optional[int] = None  # the epoch the user's sampler was last given
+        self._epoch_set_ahead: Optional[int] = None  # see _set_epoch_ahead_of_loop
         #: When False, :meth:`set_epoch` leaves out the user's batch sampler itself (see there).
         self.forward_epoch_to_batch_sampler = True
         self._resume: Optional[tuple[int, Union[int, Callable[[], int]]]] = None
@@ -208,20 +210,28 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         {"source", "num_replicas", "rank", "shuffle", "seed", "pad", "shuffle_window", "even_shares", "epoch"}
         | {"forward_epoch_to_batch_sampler", "record_yielded", "yielded", "sampler"}
     )
-    #: Not read through: Lightning takes a batch sampler that has both for one it can rebuild around a sampler of
-    #: its own, which a wrapper is not (it would fail with a less clear error).
-    _NOT_FORWARDED = frozenset({"batch_size", "drop_last"})
+    #: Not read through: Lightning takes a batch sampler that has the first two for one it can rebuild around a
+    #: sampler of its own, which a wrapper is not; torchdata takes one with the last two for one that restores
+    #: its own position (a wrapper resumes through its loader).
+    _NOT_FORWARDED = frozenset({"batch_size", "drop_last", "state_dict", "load_state_dict"})
 
     def _forwards(self, name: str) -> bool:
-        """Whether ``name`` is a data attribute of the user's object that the wrapper reads and writes through."""
+        """Whether ``name`` is a data attribute of the user's object that the wrapper reads and writes through:
+        one in its ``__dict__``, a slot, or a property (not a method), and none of the wrapper's own."""
         if name.startswith("_") or name in self._OWN_ATTRIBUTES or name in self._NOT_FORWARDED:
             return False
+        if name in self.__dict__ or inspect.getattr_static(type(self), name, None) is not None:
+            return False
         source = self.__dict__.get("source")
-        return name in getattr(source, "__dict__", ()) and name not in self.__dict__ and not hasattr(type(self), name)
+        if name in getattr(source, "__dict__", ()):
+            return True
+        return hasattr(type(inspect.getattr_static(type(source), name, None)), "__set__")  # slots and properties
 
     def __getattr__(self, name: str) -> Any:
         """The user's object's data attributes read through the wrapper, as on one device, where the loader holds
         the user's object itself (a callback that reads ``trainer.train_dataloader.batch_sampler.limit``)."""
+        if inspect.getattr_static(type(self), name, None) is not None:  # a property of ours that raised inside:
+            return object.__getattribute__(self, name)  # raise its own AttributeError, not "no attribute"
         if self._forwards(name):
             return getattr(self.__dict__["source"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -229,8 +239,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a data attribute of the user's object through the wrapper (a curriculum callback raising
         ``batch_sampler.limit``): set on the wrapper, it would change nothing, silently. The wrapper's own
-        attributes, and names the user's object does not have, are set on the wrapper."""
-        if self._forwards(name):
+        attributes, names the user's object does not have, and whatever the wrapper's (or a subclass's) own
+        methods set are set on the wrapper."""
+        if self._forwards(name) and sys._getframe(1).f_locals.get("self") is not self:
             setattr(self.__dict__["source"], name, value)
         else:
             super().__setattr__(name, value)
@@ -291,12 +302,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         Forwarded to ``source.set_epoch`` and, for a batch sampler, to ``source.sampler.set_epoch`` when
         they exist, as a training loop calls torch's ``DistributedSampler``. A single-process Lightning loop
         reaches only the second; with :attr:`forward_epoch_to_batch_sampler` False (``CustomDDP`` under
-        ``overfit_batches``, which must train the same batches every epoch) so does this. An epoch is forwarded
-        once, however often it is set (a strategy sets it before Lightning's loop does), so a sampler whose
-        ``set_epoch`` advances a curriculum counts each epoch once.
+        ``overfit_batches``, which must train the same batches every epoch) so does this. Every call is
+        forwarded, as a loop makes it (Lightning's sets a validation loader's epoch before every validation run),
+        except a repeat that ``CustomDDP`` announced (it sets the epoch before the loop does).
         """
         self.epoch = epoch
-        if epoch == self._forwarded_epoch:
+        ahead, self._epoch_set_ahead = self._epoch_set_ahead, None
+        if epoch == ahead:
             return
         targets: dict[int, Any] = {}
         own = self.source if self.forward_epoch_to_batch_sampler or not self._batched else None
@@ -306,7 +318,14 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 targets[id(candidate)] = set_epoch
         for set_epoch in targets.values():
             set_epoch(epoch)
-        self._forwarded_epoch = epoch
+
+    def _set_epoch_ahead_of_loop(self, epoch: int) -> None:
+        """:meth:`set_epoch` now, on behalf of a loop that will call ``set_epoch(epoch)`` itself before the epoch:
+        that call then sets nothing again, so a sampler whose ``set_epoch`` advances a curriculum sees the epoch
+        once. ``CustomDDP`` sets the epoch before Lightning's loop does (a loader with workers draws its first
+        indices as soon as its iterator is made)."""
+        self.set_epoch(epoch)
+        self._epoch_set_ahead = epoch
 
     @property
     def head_digest(self) -> Optional[SequenceDigest]:

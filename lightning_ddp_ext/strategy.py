@@ -1053,7 +1053,10 @@ class CustomDDP(DDPStrategy):
         epoch, resume = plan = self._first_epoch_plan(loader, trainer)
         self._prepared_with[id(loader)] = plan
         if sampler is not None and epoch is not None and sampler.epoch != epoch:
-            sampler.set_epoch(epoch)
+            if isinstance(sampler, _WRAPPER_TYPES):
+                sampler._set_epoch_ahead_of_loop(epoch)  # Lightning's loop sets it again: not forwarded twice
+            else:
+                sampler.set_epoch(epoch)
         if wrapper is None:
             return
         if resume is None:

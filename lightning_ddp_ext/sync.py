@@ -172,8 +172,8 @@ def _checked_dataset_size(dataset_size: Optional[int]) -> Optional[int]:
         raise TypeError(
             f"gather_in_order: dataset_size must be an int (len(dataset)) or None, got {type(dataset_size).__name__}"
         )
-    if size < 0:
-        raise ValueError(f"gather_in_order: dataset_size must be at least 0 (len(dataset)), got {size}")
+    if not 0 <= size < 2**63:
+        raise ValueError(f"gather_in_order: dataset_size must be in [0, 2**63) (len(dataset)), got {size}")
     return size
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, SequentialSampler
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext.samplers import (
@@ -297,9 +297,13 @@ def test_set_epoch_is_forwarded_to_sampler_and_its_inner_sampler() -> None:
     wrapper = DistributedBatchSamplerWrapper(source, 2, 0)
     wrapper.sampler.set_epoch(3)  # the path Lightning's loops take: loader.batch_sampler.sampler.set_epoch
     assert wrapper.epoch == 3 and source.epochs_seen == [3]
-    wrapper.set_epoch(3)  # set again (a strategy sets it before Lightning's loop does): forwarded once
+    wrapper.set_epoch(3)  # set again (Lightning's loop does, before each validation run): forwarded again
+    wrapper._set_epoch_ahead_of_loop(4)  # a strategy sets it before the loop does: the loop's call is not forwarded
     wrapper.set_epoch(4)
-    assert wrapper.epoch == 4 and source.epochs_seen == [3, 4]
+    wrapper.set_epoch(4)
+    wrapper._set_epoch_ahead_of_loop(5)
+    wrapper.set_epoch(6)  # not the announced epoch: forwarded
+    assert wrapper.epoch == 6 and source.epochs_seen == [3, 3, 4, 4, 5, 6]
     batch_sampler = BatchSampler(Inner(), 2, False)  # type: ignore[arg-type]
     DistributedBatchSamplerWrapper(batch_sampler, 2, 1).set_epoch(5)
     assert batch_sampler.sampler.epoch == 5  # type: ignore[attr-defined]
@@ -331,6 +335,49 @@ def test_the_users_data_attributes_are_read_and_set_through_the_wrapper() -> Non
     assert not hasattr(plain, "__pl_saved_args") and not hasattr(plain, "state_dict")
     restored = pickle.loads(pickle.dumps(wrapper))
     assert restored.num_batches == 4 and copy.deepcopy(wrapper).num_batches == 4  # type: ignore[attr-defined]
+
+
+class _Slotted:
+    __slots__ = ("cap", "_level")
+
+    def __init__(self) -> None:
+        self.cap, self._level = 4, 1
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    @level.setter
+    def level(self, value: int) -> None:
+        self._level = value
+
+    def __len__(self) -> int:
+        return self.cap
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.cap))
+
+
+class _Subclassed(DistributedSamplerWrapper):
+    """A subclass setting attributes of its own, some named like the user's sampler's."""
+
+    def __init__(self, sampler: Any) -> None:
+        super().__init__(sampler, 2, 0)
+        self.cap = "the subclass's own"
+        self.generator = None
+
+
+def test_slots_and_properties_are_set_through_and_a_subclass_keeps_its_own_attributes() -> None:
+    source = _Slotted()
+    wrapper = DistributedSamplerWrapper(source, 2, 0)
+    wrapper.cap, wrapper.level = 6, 3  # type: ignore[attr-defined]
+    assert (source.cap, source.level, wrapper.level, len(wrapper)) == (6, 3, 3, 3)  # type: ignore[attr-defined]
+    assert "cap" not in vars(wrapper) and "level" not in vars(wrapper)
+    user = RandomSampler(range(10), generator=torch.Generator().manual_seed(1))
+    subclassed = _Subclassed(user)
+    assert subclassed.generator is None and user.generator is not None
+    sized = _Slotted()
+    assert _Subclassed(sized).cap == "the subclass's own" and sized.cap == 4
 
 
 def test_an_index_sampler_yielding_keys_is_told_to_yield_positions() -> None:

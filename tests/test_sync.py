@@ -546,7 +546,7 @@ def lone_bad_calls() -> List[Dict[str, Any]]:
         ("zero_world_size", "ValueError", ["world_size must be at least 1, got 0"]),
         ("str_world_size", "TypeError", ["world_size must be an int", "got str"]),
         ("float_dataset_size", "TypeError", ["gather_in_order: dataset_size must be an int", "got float"]),
-        ("negative_dataset_size", "ValueError", ["gather_in_order: dataset_size must be at least 0", "got -1"]),
+        ("negative_dataset_size", "ValueError", ["gather_in_order: dataset_size must be in [0, 2**63)", "got -1"]),
         ("per_batch_indices", "ValueError", ["gather_in_order", "indices holds 2 batches", "torch.cat"]),
         ("per_batch_values", "ValueError", ["gather_in_order", "2 values but 4 indices", "torch.cat"]),
         ("str_indices", "TypeError", ["gather_in_order", "sequence of ints", "str at position 0"]),
