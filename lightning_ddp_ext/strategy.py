@@ -492,8 +492,15 @@ class CustomDDP(DDPStrategy):
 
     @property
     def _attached_trainer(self) -> Optional[Trainer]:
-        """The Trainer that runs this strategy's LightningModule, or None before one is attached."""
-        return self.lightning_module.trainer if self.lightning_module is not None else None
+        """The Trainer that runs this strategy's LightningModule, or None while none is attached (before a run,
+        or in the main process after a spawn launch, where ``trainer.save_checkpoint`` still calls ``barrier``)."""
+        module = self.lightning_module
+        if module is None:
+            return None
+        try:
+            return module.trainer
+        except RuntimeError:  # Lightning's "is not attached to a `Trainer`"
+            return None
 
     def _warn_of_sampler_kwargs_lightning_cannot_take(self) -> None:
         """Warn, before any predict loader is set up, when an overridden ``distributed_sampler_kwargs`` returns

@@ -620,6 +620,15 @@ class OrderRecorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def test_the_main_process_saves_a_checkpoint_after_a_spawn_fit(tmp_path: Path) -> None:
+    """``save_checkpoint`` calls ``barrier``, whose exact-evaluation guard asked a module no Trainer is attached to
+    any more (in the main process after a spawn launch) for its Trainer: RuntimeError. Stock DDP saves."""
+    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1))
+    trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(8, 1)), batch_size=2))
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    assert torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["state_dict"]
+
+
 class OrderRecorderWithValidation(OrderRecorder):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         pass
