@@ -513,6 +513,25 @@ def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     return int(epochs.processed)
 
 
+def fit_trains_an_epoch(trainer: "pl.Trainer") -> bool:
+    """Whether the fit being set up will start a training epoch (whose start calls ``set_epoch``): not when a
+    resumed or repeated fit has reached ``max_epochs`` or ``max_steps`` already. Read as
+    :func:`epoch_for_samplers` reads the epoch, without the fit loop's ``done``, which logs why it is done."""
+    fit_loop = trainer.fit_loop
+    max_epochs = fit_loop.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and epoch_for_samplers(trainer) >= max_epochs:
+        return False
+    return not 0 <= fit_loop.max_steps <= _restored_global_step(trainer)
+
+
+def _restored_global_step(trainer: "pl.Trainer") -> int:
+    """The global step the fit goes on from: the loaded checkpoint's, before the loops are restored."""
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None) or {}
+    if not trainer.fit_loop.restarting and trainer.state.fn == TrainerFn.FITTING and "global_step" in loaded:
+        return int(loaded["global_step"])
+    return trainer.global_step
+
+
 def comm_hook_states(wrapper: object, strategy: "DDPStrategy") -> List[object]:
     """The states of the communication hooks registered on a torch ``DistributedDataParallel`` ``wrapper``.
 

@@ -18,7 +18,6 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-import inspect
 import operator
 import sys
 import warnings
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lightning_ddp_ext import _store
+from lightning_ddp_ext import _attributes, _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
@@ -216,32 +215,35 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     _NOT_FORWARDED = frozenset({"batch_size", "drop_last", "state_dict", "load_state_dict"})
 
     def _forwards(self, name: str) -> bool:
-        """Whether ``name`` is a data attribute of the user's object that the wrapper reads and writes through:
-        one in its ``__dict__``, a slot, or a property (not a method), and none of the wrapper's own."""
+        """Whether ``name`` is a data attribute of the user's object (see :func:`_attributes.is_data_attribute`)
+        that the wrapper reads and writes through: none of the wrapper's own, nor one it leaves alone."""
         if name.startswith("_") or name in self._OWN_ATTRIBUTES or name in self._NOT_FORWARDED:
             return False
-        if name in self.__dict__ or inspect.getattr_static(type(self), name, None) is not None:
+        if name in self.__dict__ or _attributes.found_on_class(type(self), name):
             return False
-        source = self.__dict__.get("source")
-        if name in getattr(source, "__dict__", ()):
-            return True
-        return hasattr(type(inspect.getattr_static(type(source), name, None)), "__set__")  # slots and properties
+        return _attributes.is_data_attribute(self.__dict__.get("source"), name)
 
     def __getattr__(self, name: str) -> Any:
         """The user's object's data attributes read through the wrapper, as on one device, where the loader holds
         the user's object itself (a callback that reads ``trainer.train_dataloader.batch_sampler.limit``)."""
-        if inspect.getattr_static(type(self), name, None) is not None:  # a property of ours that raised inside:
-            return object.__getattribute__(self, name)  # raise its own AttributeError, not "no attribute"
+        if _attributes.found_on_class(type(self), name):  # a property of ours that raised AttributeError inside:
+            return object.__getattribute__(self, name)  # raise its own error, not "no attribute"
         if self._forwards(name):
             return getattr(self.__dict__["source"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a data attribute of the user's object through the wrapper (a curriculum callback raising
-        ``batch_sampler.limit``): set on the wrapper, it would change nothing, silently. The wrapper's own
-        attributes, names the user's object does not have, and whatever the wrapper's (or a subclass's) own
-        methods set are set on the wrapper."""
-        if self._forwards(name) and sys._getframe(1).f_locals.get("self") is not self:
+        ``batch_sampler.limit``): set on the wrapper, it would change nothing, silently.
+
+        Set on the wrapper instead: its own attributes, names the user's object does not have, and whatever the
+        code of the wrapper's class or a subclass sets (its ``__init__`` setting ``self.generator``, say). Such an
+        attribute then hides the user's of the same name for reads and writes through the wrapper too.
+        """
+        forwarded = self._forwards(name)
+        if forwarded and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
+            forwarded = False  # the wrapper's own code, or a subclass's, sets its own attribute
+        if forwarded:
             setattr(self.__dict__["source"], name, value)
         else:
             super().__setattr__(name, value)

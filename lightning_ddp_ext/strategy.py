@@ -1059,7 +1059,8 @@ class CustomDDP(DDPStrategy):
         sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
         epoch, resume = plan = self._first_epoch_plan(loader, trainer)
         self._prepared_with[id(loader)] = plan
-        if sampler is not None and epoch is not None and sampler.epoch != epoch:
+        # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
+        if sampler is not None and epoch is not None and sampler.epoch != epoch and _compat.fit_trains_an_epoch(trainer):
             if isinstance(sampler, _WRAPPER_TYPES):
                 sampler._set_epoch_ahead_of_loop(epoch)  # Lightning's loop sets it again: not forwarded twice
             else:

@@ -380,6 +380,35 @@ def test_slots_and_properties_are_set_through_and_a_subclass_keeps_its_own_attri
     assert _Subclassed(sized).cap == "the subclass's own" and sized.cap == 4
 
 
+class _ClassDefault:
+    limit = 10  # a class-level default, never set on the instance
+
+    def __len__(self) -> int:
+        return 4
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+class _NoneOnTheClass(DistributedSamplerWrapper):
+    limit = None  # the subclass's own attribute, though None
+
+
+def _raise_limit(self: Any) -> None:  # a plain function whose parameter happens to be called self
+    self.limit = 20
+
+
+def test_class_defaults_and_helpers_named_self_reach_the_users_object() -> None:
+    source = _ClassDefault()
+    wrapper = DistributedSamplerWrapper(source, 2, 0)
+    assert wrapper.limit == 10  # type: ignore[attr-defined]
+    _raise_limit(wrapper)
+    assert source.limit == 20 and "limit" not in vars(wrapper)
+    own = _NoneOnTheClass(_ClassDefault(), 2, 0)
+    own.limit = 5  # type: ignore[assignment]
+    assert own.limit == 5 and own.source.limit == 10  # type: ignore[attr-defined]
+
+
 def test_an_index_sampler_yielding_keys_is_told_to_yield_positions() -> None:
     """A map-style dataset may be keyed by strings; the wrappers deal integer indices, and say so."""
     with pytest.raises(TypeError, match=r"yielded 'a' \(str\) at position 0; .* dealt by position: let the sampler yield"):

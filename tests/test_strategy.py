@@ -629,6 +629,23 @@ def test_the_main_process_saves_a_checkpoint_after_a_spawn_fit(tmp_path: Path) -
     assert torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["state_dict"]
 
 
+def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(tmp_path: Path) -> None:
+    """Resumed at max_epochs, Lightning's loop starts no epoch and sets none; the strategy set one ahead of it
+    (a curriculum sampler advanced once more, and the repeat it expected never came)."""
+    loader = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=0))
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = pl.Trainer(
+        strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT),
+        **trainer_kwargs(max_epochs=1, enable_checkpointing=True, callbacks=[checkpoints]),
+    )
+    (tmp_path / "first").mkdir(), (tmp_path / "again").mkdir()
+    first.fit(Recorder(str(tmp_path / "first")), loader)
+    again = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1))
+    again.fit(Recorder(str(tmp_path / "again")), loader, ckpt_path=tmp_path / "last.ckpt")
+    assert [r["facts"]["epochs_set"]["only"] for r in read_ranks(str(tmp_path / "first"), 2)] == [[0], [0]]
+    assert [r["facts"]["epochs_set"]["only"] for r in read_ranks(str(tmp_path / "again"), 2)] == [[], []]
+
+
 class OrderRecorderWithValidation(OrderRecorder):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         pass
