@@ -327,15 +327,15 @@ def _patch(
             " __iter__)."
         )
         return loader
-    if resolved is None and not (dist.is_available() and dist.is_initialized()):
+    sharding = _sharding_sampler(loader)
+    if resolved is None and sharding is None and not (dist.is_available() and dist.is_initialized()):
         _warn_once(
             f"{owner}: no process group is initialised and no num_replicas/rank were given, so the"
             " loader is returned unchanged (single-process run). Initialise torch.distributed first, or pass"
             " num_replicas and rank."
         )
         return loader
-    sharding = _sharding_sampler(loader)
-    if sharding is not None:
+    if sharding is not None:  # already dealt: returned as it is, also without a process group
         dealt_for = (sharding.num_replicas, sharding.rank)
         if resolved is not None and dealt_for != resolved:
             raise ValueError(

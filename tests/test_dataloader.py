@@ -110,10 +110,14 @@ def test_plain_batch_sampler_passed_as_batch_sampler_keeps_its_sampler_size_and_
     assert [b.tolist() for b in patch_dataloader_to_ddp(sequential, 2, 1)][:2] == [[1, 3, 5], [7, 9, 11]]
 
 
-def test_already_sharded_inside_a_plain_batch_sampler_is_left_alone() -> None:
+def test_already_sharded_inside_a_plain_batch_sampler_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataloader, "_warned", set())  # warnings given once per process: none given yet
     inner = DistributedSampler(Squares(), num_replicas=2, rank=0)
     loader = DataLoader(Squares(), batch_sampler=BatchSampler(inner, 4, drop_last=False))
     assert patch_dataloader_to_ddp(loader, 2, 0) is loader
+    with warnings.catch_warnings():  # without a process group too, silently: the reason would be the wrong one
+        warnings.simplefilter("error")
+        assert patch_dataloader_to_ddp(patch_dataloader_to_ddp(DataLoader(Squares()), 2, 1)).sampler.rank == 1
 
 
 def test_default_sampler_types_over_another_data_source_are_wrapped_not_replaced() -> None:
