@@ -542,6 +542,12 @@ def _check_gathered(kinds: List[Dict[_Path, str]], metas: List[List[_Meta]], slo
     cause, so the error spells out the empty tensor that rank should pass where the others agree on one.
     """
     path = ("values",)
+    elsewhere = [rank for rank, k in enumerate(kinds) if path not in k]
+    if elsewhere:  # their schema is another call's (sync_dicts): every rank must make the same calls, in order
+        raise ValueError(
+            f"gather_in_order: rank(s) {elsewhere} made another call of lightning_ddp_ext.sync here (sync_dicts?);"
+            " every rank must call the same functions in the same order"
+        )
     found = [k[path] for k in kinds]
     tensor_metas = [m[s[path]] for m, s, kind in zip(metas, slots, found) if kind == "tensor"]
     rows = {(shape[1:], dtype) for shape, dtype in tensor_metas if shape and shape[0] > 0}

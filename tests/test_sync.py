@@ -300,6 +300,10 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
     alone = dist.new_group([0])  # every rank must create it; rank 1 is outside it
     return {
         "errors": {name: _error_of(call) for name, call in calls.items()},
+        # Rank 0 calls sync_dicts where the others call gather_in_order: each raises in its function's words.
+        "different_calls": _error_of(
+            lambda: sync_dicts({"a": 1}) if bad else gather_in_order([0, 1], [2 * rank, 2 * rank + 1])
+        ),
         # No rank is wrong alone: the ranks disagree. Rank 0 went on to its next collective before this was checked.
         "dataset_size_differs": _error_of(lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], 4 if bad else 3)),
         "after_errors": sync_dicts({"rank": rank}),
@@ -580,6 +584,16 @@ def test_a_dataset_size_that_differs_between_ranks_raises_on_every_rank(lone_bad
             "gather_in_order: dataset_size is 4 on rank 0, 3 on rank 1; pass the same dataset_size on every rank"
             " (the number of samples of the whole dataset, len(dataset)), or None on every rank",
         ), f"rank {rank}"
+
+
+def test_ranks_calling_different_functions_raise_on_every_rank(lone_bad_calls: List[Dict[str, Any]]) -> None:
+    kinds_and_words = [lone_bad_calls[0]["different_calls"], lone_bad_calls[1]["different_calls"]]
+    assert kinds_and_words[0] is not None and "sync_dicts: ranks hold different keys" in kinds_and_words[0][1]
+    assert kinds_and_words[1] == (
+        "ValueError",
+        "gather_in_order: rank(s) [0] made another call of lightning_ddp_ext.sync here (sync_dicts?); every rank must"
+        " call the same functions in the same order",
+    )
 
 
 def test_group_stays_usable_after_one_ranks_bad_call(lone_bad_calls: List[Dict[str, Any]]) -> None:
