@@ -204,11 +204,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self._plan(self._declared_length())  # fail early on an empty or too short source
 
     # ------------------------------------------------------------------ the user's settings, through the wrapper
-    #: The wrapper's own public attributes (besides its class's): set on the wrapper, never on the user's object.
-    _OWN_ATTRIBUTES = frozenset(
-        {"source", "num_replicas", "rank", "shuffle", "seed", "pad", "shuffle_window", "even_shares", "epoch"}
-        | {"forward_epoch_to_batch_sampler", "record_yielded", "yielded", "sampler"}
-    )
+    # The wrapper's own attributes are in its __dict__ once its __init__ (own code, see __setattr__) set them.
     #: Not read through: Lightning takes a batch sampler that has the first two for one it can rebuild around a
     #: sampler of its own, which a wrapper is not; torchdata takes one with the last two for one that restores
     #: its own position (a wrapper resumes through its loader).
@@ -217,7 +213,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     def _forwards(self, name: str) -> bool:
         """Whether ``name`` is a data attribute of the user's object (see :func:`_attributes.is_data_attribute`)
         that the wrapper reads and writes through: none of the wrapper's own, nor one it leaves alone."""
-        if name.startswith("_") or name in self._OWN_ATTRIBUTES or name in self._NOT_FORWARDED:
+        if name.startswith("_") or name in self._NOT_FORWARDED:
             return False
         if name in self.__dict__ or _attributes.found_on_class(type(self), name):
             return False
