@@ -126,7 +126,7 @@ class CompactStore:
         items = list(items)
         try:
             if not self._batched:
-                if bool in map(type, items):
+                if _has_bool(items):
                     raise TypeError  # array would store True as 1: named below
                 self._append_values(items)
                 return
@@ -138,7 +138,7 @@ class CompactStore:
             parts = [item if type(item) in (list, tuple) else list(item) for item in items]
             lengths = list(map(len, parts))
             values = list(chain.from_iterable(parts))
-            if bool in map(type, values):
+            if _has_bool(values):
                 raise TypeError
             self._append_values(values)
         except (TypeError, ValueError, OverflowError):
@@ -192,6 +192,19 @@ class CompactStore:
             yield map(memoryview.tolist, map(view.__getitem__, slices))
 
 
+def _is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool, a numpy bool or a bool tensor (told by its dtype's name, importing no torch):
+    ``operator.index`` turns ``torch.tensor(True)`` into 1, while indexing with it is masking."""
+    return type(value) is bool or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def _has_bool(values: List[Any]) -> bool:
+    """Whether any of ``values`` is a bool (see :func:`_is_bool`); a list of exact ints is told at C speed."""
+    kinds = set(map(type, values))
+    kinds.discard(int)
+    return bool(kinds) and any(map(_is_bool, values))
+
+
 class NotIndicesError(TypeError):
     """An item that reading would spoil or change: its message says why, for the caller's error to quote."""
 
@@ -205,7 +218,7 @@ def indices_of(item: Any, batched: bool) -> Any:
     Anything else that is no index raises the TypeError of ``operator.index``.
     """
     if not batched:
-        if type(item) is bool:
+        if _is_bool(item):
             raise NotIndicesError("A bool is not an index: yield ints.")
         return operator.index(item)
     if isinstance(item, (str, bytes)):
@@ -215,8 +228,10 @@ def indices_of(item: Any, batched: bool) -> Any:
             "It is an iterator, which would be used up by reading it (the DataLoader would get an empty batch):"
             " yield a list or a tuple of indices."
         )
+    if _is_bool(item) and getattr(item, "ndim", 0) > 0:
+        raise NotIndicesError("A bool mask is not a batch of indices: yield the positions where it is True.")
     values = tuple(item)
-    if bool in map(type, values):  # before operator.index, which turns True into 1
+    if _has_bool(list(values)):  # before operator.index, which turns True into 1
         raise NotIndicesError("A bool is not an index: yield ints.")
     return tuple(map(operator.index, values))
 

@@ -354,12 +354,20 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             self._resume = None
             return
         if not callable(done):
-            self._check_resume_count(done)
+            done = self._check_resume_count(done)
         self._resume = (epoch, done)
 
-    def _check_resume_count(self, done: int) -> None:
-        if not 0 <= done <= len(self):
-            raise ValueError(f"done must be in [0, {len(self)}] (this rank's items per epoch), got {done}.")
+    def _check_resume_count(self, done: Any) -> int:
+        """``done`` as an int (a numpy or torch integer too), or an error saying what it must be."""
+        count = _integer_or_none(done)
+        if count is None:
+            raise TypeError(
+                f"done must be an int (the number of items this rank yielded before the checkpoint), got {done!r}"
+                f" ({type(done).__name__})."
+            )
+        if not 0 <= count <= len(self):
+            raise ValueError(f"done must be in [0, {len(self)}] (this rank's items per epoch), got {count}.")
+        return count
 
     def __iter__(self) -> Iterator[T]:
         # The work is done per block by generators that yield lists; chain.from_iterable walks each list in C,
@@ -375,8 +383,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         if resume is not None and resume[0] == self.epoch:
             done = resume[1]
             if callable(done):
-                done = done()
-                self._check_resume_count(done)
+                done = self._check_resume_count(done())
             items = islice(items, done, None)
         yield from items
 

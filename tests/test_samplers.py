@@ -576,6 +576,20 @@ def test_a_resume_count_given_as_a_callable_is_asked_for_when_its_epoch_is_read(
     assert list(wrapper) == whole
 
 
+@pytest.mark.parametrize("count", [2.0, True, "3"], ids=["float", "bool", "string"])
+def test_a_resume_count_that_is_no_int_is_refused_where_it_is_given(count: Any) -> None:
+    """A count that is no integer is refused by resume_within_epoch, or when its callable is asked; a float
+    would only fail inside itertools when the epoch starts, and True would skip one item."""
+    wrapper = DistributedBatchSamplerWrapper([[i] for i in range(12)], 2, 0)
+    with pytest.raises(TypeError, match=r"done must be an int \(the number of items this rank yielded"):
+        wrapper.resume_within_epoch(0, count)
+    wrapper.resume_within_epoch(0, lambda: count)
+    with pytest.raises(TypeError, match=r"done must be an int"):
+        next(iter(wrapper))
+    wrapper.resume_within_epoch(0, np.int64(2))  # a numpy integer is an int
+    assert list(wrapper) == [[i] for i in range(4, 12, 2)]
+
+
 def test_the_whole_epoch_permutation_is_torchs_drawn_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole-epoch shuffle is torch.randperm seeded by seed + epoch (the same sequences as before it was
     drawn on one thread), and the thread count is restored after it, also when randperm fails."""

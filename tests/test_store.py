@@ -126,8 +126,17 @@ def test_single_items_that_are_not_indices_are_named(path: str, item: Any) -> No
         (False, True, "A bool is not an index"),
         (True, iter([0, 1]), "It is an iterator, which would be used up by reading it"),
         (True, (i for i in [0, 1]), "It is an iterator, which would be used up by reading it"),
+        (True, torch.tensor([True, False, True]), "A bool mask is not a batch of indices"),
+        (True, np.array([True, False]), "A bool mask is not a batch of indices"),
+        (True, [0, torch.tensor(True)], "A bool is not an index"),
+        (True, [0, np.bool_(True)], "A bool is not an index"),
+        (False, torch.tensor(True), "A bool is not an index"),
+        (False, np.bool_(False), "A bool is not an index"),
     ],
-    ids=["bool-in-list", "bool-in-tuple", "single-bool", "list-iterator", "generator"],
+    ids=[
+        "bool-in-list", "bool-in-tuple", "single-bool", "list-iterator", "generator", "torch-bool-mask",
+        "numpy-bool-mask", "torch-bool-in-list", "numpy-bool-in-list", "single-torch-bool", "single-numpy-bool",
+    ],
 )
 def test_bools_and_iterators_are_refused_with_the_reason(path: str, batched: bool, item: Any, why: str) -> None:
     """A bool would be stored as 0 or 1 (``tensor[True]`` is not ``tensor[1]``), and reading an iterator would
