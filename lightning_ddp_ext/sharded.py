@@ -407,9 +407,50 @@ def _reduce_added_parameters(wrapper: Module) -> None:
     ]
     if [id(param) for param in listed] == [id(param) for param in sdp._all_params]:
         return
+    _refuse_shared_parameters(
+        [[param for group in optimizer.param_groups for param in group["params"]] for optimizer in optimizers],
+        sdp.module,
+    )
     sdp._all_params = listed
     sdp._reference_trainable_mask = [param.requires_grad for param in listed]
     sdp.refresh_trainable()
+
+
+def _refuse_shared_parameters(parameter_lists: Sequence[Sequence[torch.Tensor]], model: Module) -> None:
+    """Raise when a parameter is in two optimizers (or listed twice): each OSS shard optimizer steps and
+    broadcasts its own partition, and ShardedDataParallel hooks a parameter once per listing, so one in two
+    would get two owners, two reductions, and wrong steps without an error (then a fairscale AssertionError)."""
+    seen: set = set()
+    shared: List[torch.Tensor] = []
+    for parameters in parameter_lists:
+        for param in {id(param): param for param in parameters}.values():  # within one optimizer torch refuses
+            if id(param) in seen and all(param is not known for known in shared):
+                shared.append(param)
+            seen.add(id(param))
+    if not shared:
+        return
+    listing = ", ".join(_parameter_name(model, param) for param in shared[:5])
+    more = f" and {len(shared) - 5} more" if len(shared) > 5 else ""
+    raise ValueError(
+        f"CustomDDPSharded cannot shard a parameter that is in more than one optimizer ({listing}{more}): each"
+        " fairscale OSS optimizer steps and broadcasts its own share, so such a parameter would get two owners and"
+        " train wrong. Give each parameter to one optimizer only, or use CustomDDP, whose optimizers step every"
+        " parameter on every rank."
+    )
+
+
+def _parameter_name(model: Module, param: torch.Tensor) -> str:
+    names = (name for name, known in model.named_parameters(remove_duplicate=False) if known is param)
+    return next(names, f"a parameter of shape {tuple(param.shape)}")
+
+
+def _sparse_gradient_error(model: Module, param: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"CustomDDPSharded cannot reduce the sparse gradient of {_parameter_name(model, param)} (an nn.Embedding or"
+        " nn.EmbeddingBag with sparse=True, say): fairscale's ShardedDataParallel reduces each gradient"
+        " with torch.distributed.reduce, which has no sparse kernel. Make the gradient dense (sparse=False), or"
+        " use CustomDDP, which all-reduces sparse gradients."
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,6 +528,8 @@ def _sharded_data_parallel_class() -> type:
             reduce = super()._get_reduce_fn(index, param, dst_rank)
 
             def rearm_then_reduce(*args: Any) -> None:
+                if param.grad is not None and param.grad.layout is not torch.strided:
+                    raise _sparse_gradient_error(self.module, param)  # every rank alike: the model is the same on each
                 if self._backward_done and self.reduce_every_backward:  # the first gradient of a new backward pass
                     self._backward_done = False
                     self._grad_to_be_reduced = [True for _ in self._trainable_params]
@@ -885,6 +928,10 @@ class CustomDDPSharded(CustomDDP):
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Build the user's optimizers, rebuild them as OSS, point their LR schedulers at them, then wrap the model."""
         super().setup_optimizers(trainer)
+        _refuse_shared_parameters(
+            [[param for group in optimizer.param_groups for param in group["params"]] for optimizer in self.optimizers],
+            cast(Module, self.lightning_module),  # set: Lightning builds the optimizers from it
+        )
         sharded = [shard_optimizer(optimizer, self.data_parallel_group) for optimizer in self.optimizers]
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         for old, new in zip(self.optimizers, sharded):
