@@ -29,6 +29,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.autograd.function import BackwardCFunction
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader
@@ -257,8 +258,10 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
 
 
 def _reaches_a_parameter(loss: torch.Tensor) -> bool:
-    """Whether ``loss``'s autograd graph leads to an ``nn.Parameter``: a depth-first walk that stops at the first
-    one, which a loss computed from a model's output reaches within a few nodes (the last layer's)."""
+    """Whether ``loss``'s autograd graph may lead to an ``nn.Parameter``: a depth-first walk that stops at the
+    first one, which a loss computed from a model's output reaches within a few nodes (the last layer's), or at
+    a custom ``autograd.Function``, whose backward may use parameters that are not among its inputs (a reentrant
+    ``torch.utils.checkpoint`` runs its segment's forward again in backward, with the layers' weights)."""
     stack, seen = [loss.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -266,6 +269,8 @@ def _reaches_a_parameter(loss: torch.Tensor) -> bool:
             continue
         seen.add(node)
         if isinstance(getattr(node, "variable", None), Parameter):  # an AccumulateGrad node: a leaf
+            return True
+        if isinstance(node, BackwardCFunction):
             return True
         stack.extend(next_node for next_node, _ in reversed(node.next_functions))
     return False
@@ -390,7 +395,13 @@ class CustomDDP(DDPStrategy):
         self.set_world_ranks()
         joined_before = dist.is_available() and dist.is_initialized()
         self.init_ddp_connection(self.global_rank, self.world_size)
-        if not joined_before and dist.is_available() and dist.is_initialized():  # also by an override of ours
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{type(self).__name__}.init_ddp_connection returned without a default process group: an override"
+                " must call torch.distributed.init_process_group(...) (or super().init_ddp_connection(global_rank,"
+                " world_size)) before it returns."
+            )
+        if not joined_before:  # also by an override of ours
             _destroy_process_group_at_exit()
         _STRATEGIES_SET_UP.add(self)
 
@@ -410,12 +421,15 @@ class CustomDDP(DDPStrategy):
                 if isinstance(value, dist.ProcessGroup):
                     setattr(holder, name, None)
 
-    def init_ddp_connection(self, global_rank: int, world_size: int) -> None:
+    def init_ddp_connection(self, global_rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         """Initialise the default process group; override to change how ranks meet.
 
         The backend is ``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo
         otherwise; ``timeout=`` bounds every collective, so a dead rank fails the others instead of hanging.
+        ``global_rank`` and ``world_size`` default to this strategy's, as in Lightning 1.x's ``DDPPlugin``.
         """
+        global_rank = self.global_rank if global_rank is None else global_rank
+        world_size = self.world_size if world_size is None else world_size
         backend = self.select_process_group_backend()
         _compat.set_process_group_backend(self, backend)
         if dist.is_initialized():

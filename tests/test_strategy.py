@@ -258,6 +258,35 @@ def test_configure_ddp_overrides_that_return_a_module_are_accepted(strategy_clas
     assert trainer.global_step == 2
 
 
+class NoGroupDDP(CustomDDP):
+    """An init_ddp_connection override that forgets to initialise the process group."""
+
+    def init_ddp_connection(self, global_rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        pass
+
+
+class OneXConnectionDDP(CustomDDP):
+    """A Lightning 1.x DDPPlugin override body: super() called without arguments (both were optional there)."""
+
+    def init_ddp_connection(self, global_rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        self.connected_as = (self.global_rank, self.world_size)
+        super().init_ddp_connection()
+
+
+def test_init_ddp_connection_takes_1x_calls_and_must_leave_a_process_group() -> None:
+    """super().init_ddp_connection() with no arguments (1.x's signature) failed with "missing 2 required positional
+    arguments"; an override that left no group failed later with torch's "Default process group has not been
+    initialized", naming no hook."""
+    with single_rank_in_this_process(free_port()):
+        trainer = pl.Trainer(strategy=OneXConnectionDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert trainer.global_step == 2
+    with single_rank_in_this_process(free_port()), pytest.raises(RuntimeError) as raised:
+        trainer = pl.Trainer(strategy=NoGroupDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert "NoGroupDDP.init_ddp_connection returned without a default process group" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
@@ -897,6 +926,21 @@ def test_the_unused_parameters_error_gets_advice_for_the_start_method_in_use(sta
     error = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
     CustomDDP(start_method=start_method).on_exception(error)
     assert str(error).startswith("Expected to have finished reduction") and str(error).endswith(advice), str(error)
+
+
+def test_a_loss_through_a_reentrant_checkpoint_counts_as_reaching_the_parameters() -> None:
+    """A reentrant torch.utils.checkpoint (Hugging Face's default for years) links the loss to the segment's
+    inputs only: its parameters are reached when backward runs the segment again. Such a loss was refused as one
+    that "depends on no parameter", where stock "ddp" trains it; a loss of inputs alone still is refused."""
+    from lightning_ddp_ext.strategy import _reaches_a_parameter
+    from torch.utils.checkpoint import checkpoint
+
+    layer, x = torch.nn.Linear(2, 2), torch.randn(3, 2, requires_grad=True)
+    assert _reaches_a_parameter(checkpoint(layer, x, use_reentrant=True).sum())
+    assert _reaches_a_parameter(checkpoint(layer, x, use_reentrant=False).sum())
+    assert _reaches_a_parameter(layer(x).sum())
+    assert not _reaches_a_parameter((x * 2).sum())
+    assert not _reaches_a_parameter(torch.zeros((), requires_grad=True))
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
