@@ -135,7 +135,7 @@ class CompactStore:
             for _ in map(len, items):  # without len(): converted one by one below, where an iterator is refused
                 pass
             # Lengths from what iteration gives: only an exact list or tuple's len() is sure to agree with it.
-            parts = [item if type(item) in (list, tuple) else list(item) for item in items]
+            parts = [item if type(item) in (list, tuple) else _elements(item) for item in items]
             lengths = list(map(len, parts))
             values = list(chain.from_iterable(parts))
             if _has_bool(values):
@@ -192,17 +192,68 @@ class CompactStore:
             yield map(memoryview.tolist, map(view.__getitem__, slices))
 
 
+def _bool_dtype(value: Any) -> Optional[bool]:
+    """Whether ``value``'s numpy or torch dtype is bool; None when it has no dtype that tells (none, an object
+    array, one that cannot be read)."""
+    try:
+        dtype = value.dtype
+    except Exception:
+        return None
+    if isinstance(dtype, np.dtype):
+        return None if dtype.kind == "O" else dtype.kind == "b"
+    torch = sys.modules.get("torch")  # no tensor exists unless torch was imported
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return dtype is torch.bool
+    return None
+
+
+_TORCH_INTEGER_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+
+
+def _elements(batch: Any) -> List[Any]:
+    """What iterating ``batch`` gives, as a list: from ``tolist()`` for a 1-d numpy array or (dense) tensor of
+    integers, exactly those types (Python ints, made in C, where iterating gives a numpy scalar or a 0-d tensor
+    per element); any other batch, floats and dates included, is iterated, for ``operator.index`` to judge."""
+    kind = type(batch)
+    if kind is np.ndarray:
+        if batch.ndim == 1 and batch.dtype.kind in "iu":
+            return batch.tolist()  # type: ignore[no-any-return]
+    else:
+        torch = sys.modules.get("torch")  # no tensor exists unless torch was imported
+        if (
+            torch is not None
+            and kind is torch.Tensor
+            and batch.ndim == 1
+            and batch.layout is torch.strided
+            and not batch.is_meta
+            and any(batch.dtype is getattr(torch, name, None) for name in _TORCH_INTEGER_DTYPES)
+        ):
+            return batch.tolist()  # type: ignore[no-any-return]
+    return list(batch)
+
+
 def _is_bool(value: Any) -> bool:
-    """Whether ``value`` is a bool, a numpy bool or a bool tensor (told by its dtype's name, importing no torch):
-    ``operator.index`` turns ``torch.tensor(True)`` into 1, while indexing with it is masking."""
-    return type(value) is bool or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+    """Whether ``value`` is a bool, or a numpy or torch bool (scalar, array or tensor): ``operator.index`` turns
+    ``torch.tensor(True)`` into 1, while indexing with it is masking. Told by type for ints and numpy integers."""
+    kind = type(value)
+    if kind is bool or kind is np.bool_:
+        return True
+    if issubclass(kind, (int, np.integer)):
+        return False
+    return _bool_dtype(value) is True
 
 
 def _has_bool(values: List[Any]) -> bool:
-    """Whether any of ``values`` is a bool (see :func:`_is_bool`); a list of exact ints is told at C speed."""
+    """Whether any of ``values`` is a bool (see :func:`_is_bool`); lists of exact ints or of numpy integers are
+    told by their types alone, at C speed."""
     kinds = set(map(type, values))
     kinds.discard(int)
-    return bool(kinds) and any(map(_is_bool, values))
+    if not kinds:
+        return False
+    if bool in kinds or np.bool_ in kinds:
+        return True
+    unsure = {kind for kind in kinds if not issubclass(kind, (int, np.integer))}
+    return bool(unsure) and any(_is_bool(value) for value in values if type(value) in unsure)
 
 
 class NotIndicesError(TypeError):
@@ -228,10 +279,11 @@ def indices_of(item: Any, batched: bool) -> Any:
             "It is an iterator, which would be used up by reading it (the DataLoader would get an empty batch):"
             " yield a list or a tuple of indices."
         )
-    if _is_bool(item) and getattr(item, "ndim", 0) > 0:
+    holds_bools = _bool_dtype(item)  # an array or tensor tells for all its elements at once
+    if holds_bools and isinstance(getattr(item, "ndim", None), int) and item.ndim > 0:
         raise NotIndicesError("A bool mask is not a batch of indices: yield the positions where it is True.")
-    values = tuple(item)
-    if _has_bool(list(values)):  # before operator.index, which turns True into 1
+    values = tuple(_elements(item))
+    if holds_bools is None and _has_bool(list(values)):  # before operator.index, which turns True into 1
         raise NotIndicesError("A bool is not an index: yield ints.")
     return tuple(map(operator.index, values))
 

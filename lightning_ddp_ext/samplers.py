@@ -89,8 +89,8 @@ def _resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str)
 
 
 def _integer_or_none(value: Any) -> Optional[int]:
-    """``value`` as an int if it is an integer (a numpy or torch integer too, not a bool), else None."""
-    if isinstance(value, bool):
+    """``value`` as an int if it is an integer (a numpy or torch integer too, not a bool of any kind), else None."""
+    if _store._is_bool(value):  # operator.index(torch.tensor(True)) is 1
         return None
     try:
         return operator.index(value)

@@ -405,37 +405,39 @@ def _reduce_added_parameters(wrapper: Module) -> None:
         for params in per_rank
         for param in params
     ]
+    trainable = [param.requires_grad for param in listed]
     if [id(param) for param in listed] == [id(param) for param in sdp._all_params]:
+        if trainable != sdp._reference_trainable_mask:  # (un)frozen since SDP last looked; it refreshes in forward
+            _refuse_shared_parameters(optimizers, sdp.module)
         return
-    _refuse_shared_parameters(
-        [[param for group in optimizer.param_groups for param in group["params"]] for optimizer in optimizers],
-        sdp.module,
-    )
+    _refuse_shared_parameters(optimizers, sdp.module)
     sdp._all_params = listed
-    sdp._reference_trainable_mask = [param.requires_grad for param in listed]
+    sdp._reference_trainable_mask = trainable
     sdp.refresh_trainable()
 
 
-def _refuse_shared_parameters(parameter_lists: Sequence[Sequence[torch.Tensor]], model: Module) -> None:
-    """Raise when a parameter is in two optimizers (or listed twice): each OSS shard optimizer steps and
-    broadcasts its own partition, and ShardedDataParallel hooks a parameter once per listing, so one in two
-    would get two owners, two reductions, and wrong steps without an error (then a fairscale AssertionError)."""
+def _refuse_shared_parameters(optimizers: Sequence[Optimizer], model: Module) -> None:
+    """Raise when a trainable parameter is in two optimizers, or twice in one: each OSS shard optimizer steps and
+    broadcasts its own partition, and ShardedDataParallel hooks a parameter once per listing, so it would get two
+    owners, two reductions, and wrong steps without an error (then a fairscale AssertionError). A frozen one is
+    left alone (nothing steps it; its owners broadcast the same values) until it is unfrozen."""
     seen: set = set()
     shared: List[torch.Tensor] = []
-    for parameters in parameter_lists:
-        for param in {id(param): param for param in parameters}.values():  # within one optimizer torch refuses
-            if id(param) in seen and all(param is not known for known in shared):
-                shared.append(param)
-            seen.add(id(param))
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and id(param) in seen and all(param is not known for known in shared):
+                    shared.append(param)
+                seen.add(id(param))
     if not shared:
         return
     listing = ", ".join(_parameter_name(model, param) for param in shared[:5])
     more = f" and {len(shared) - 5} more" if len(shared) > 5 else ""
     raise ValueError(
-        f"CustomDDPSharded cannot shard a parameter that is in more than one optimizer ({listing}{more}): each"
-        " fairscale OSS optimizer steps and broadcasts its own share, so such a parameter would get two owners and"
-        " train wrong. Give each parameter to one optimizer only, or use CustomDDP, whose optimizers step every"
-        " parameter on every rank."
+        f"CustomDDPSharded cannot shard a trainable parameter that is in more than one optimizer, or twice in one"
+        f" ({listing}{more}): each fairscale OSS optimizer steps and broadcasts its own share, so such a parameter"
+        " would get two owners and train wrong. Give each parameter to one optimizer, once (or freeze it), or use"
+        " CustomDDP, whose optimizers step every parameter on every rank."
     )
 
 
@@ -928,10 +930,7 @@ class CustomDDPSharded(CustomDDP):
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Build the user's optimizers, rebuild them as OSS, point their LR schedulers at them, then wrap the model."""
         super().setup_optimizers(trainer)
-        _refuse_shared_parameters(
-            [[param for group in optimizer.param_groups for param in group["params"]] for optimizer in self.optimizers],
-            cast(Module, self.lightning_module),  # set: Lightning builds the optimizers from it
-        )
+        _refuse_shared_parameters(self.optimizers, cast(Module, self.lightning_module))  # set: optimizers come from it
         sharded = [shard_optimizer(optimizer, self.data_parallel_group) for optimizer in self.optimizers]
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         for old, new in zip(self.optimizers, sharded):

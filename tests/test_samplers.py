@@ -576,7 +576,9 @@ def test_a_resume_count_given_as_a_callable_is_asked_for_when_its_epoch_is_read(
     assert list(wrapper) == whole
 
 
-@pytest.mark.parametrize("count", [2.0, True, "3"], ids=["float", "bool", "string"])
+@pytest.mark.parametrize(
+    "count", [2.0, True, "3", torch.tensor(True), np.True_], ids=["float", "bool", "string", "torch-bool", "numpy-bool"]
+)
 def test_a_resume_count_that_is_no_int_is_refused_where_it_is_given(count: Any) -> None:
     """A count that is no integer is refused by resume_within_epoch, or when its callable is asked; a float
     would only fail inside itertools when the epoch starts, and True would skip one item."""

@@ -1100,12 +1100,19 @@ def test_a_loss_that_reaches_no_parameter_on_one_rank_is_refused_instead_of_hang
 
 
 class SharedTrunk(pl.LightningModule):
-    """Manual optimization with two optimizers that both hold the trunk's parameters (GAN-style heads)."""
+    """Manual optimization with two optimizers that both hold the trunk's parameters (GAN-style heads); the trunk
+    frozen until epoch ``unfrozen_at`` when that is given."""
 
-    def __init__(self) -> None:
+    def __init__(self, unfrozen_at: Optional[int] = None) -> None:
         super().__init__()
         self.trunk, self.head_a, self.head_b = torch.nn.Linear(1, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
         self.automatic_optimization = False
+        self.unfrozen_at = unfrozen_at
+        self.trunk.requires_grad_(unfrozen_at is None)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == self.unfrozen_at:
+            self.trunk.requires_grad_(True)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         for optimizer, head in zip(self.optimizers(), (self.head_a, self.head_b)):
@@ -1121,13 +1128,35 @@ class SharedTrunk(pl.LightningModule):
 
 
 @needs_fairscale
-def test_a_parameter_in_two_optimizers_is_refused_naming_it() -> None:
+@pytest.mark.parametrize("unfrozen_at", [None, 1], ids=["trainable", "unfrozen-in-epoch-1"])
+def test_a_trainable_parameter_in_two_optimizers_is_refused_naming_it(unfrozen_at: Optional[int]) -> None:
     """Each OSS steps and broadcasts its own share and SDP hooks a parameter once per optimizer holding it: the
-    trunk trained up to 0.015 off CustomDDP's without an error, then fairscale failed an internal assertion."""
+    trunk trained up to 0.015 off CustomDDP's without an error, then fairscale failed an internal assertion.
+    Frozen, it trains as under CustomDDP (nothing steps it): refused only once it is unfrozen."""
     strategy = CustomDDPSharded(start_method="spawn", timeout=RUN_TIMEOUT)
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
-    with pytest.raises(Exception, match=r"in more than one optimizer \(trunk.weight, trunk.bias\).*use CustomDDP"):
-        trainer.fit(SharedTrunk(), line_loader())
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=2))
+    with pytest.raises(Exception, match=r"more than one optimizer, or twice in one \(trunk.weight, trunk.bias\)") as raised:
+        trainer.fit(SharedTrunk(unfrozen_at), line_loader())
+    # the rank's traceback: refused as the optimizers are built, or (frozen in epoch 0) at epoch 1's first step
+    assert ("setup_optimizers" if unfrozen_at is None else "_reduce_added_parameters") in str(raised.value)
+
+
+def test_the_shared_parameter_check_counts_trainable_parameters_listed_more_than_once() -> None:
+    """Twice in one group (torch only warns), or in two optimizers, is refused; frozen, it is left alone."""
+    from lightning_ddp_ext.sharded import _refuse_shared_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "optimizer contains a parameter group with duplicate parameters"
+        twice_in_one = torch.optim.SGD(first + first[:1], lr=0.1)
+    with pytest.raises(ValueError, match=r"or twice in one \(0.weight\)"):
+        _refuse_shared_parameters([twice_in_one], model)
+    with pytest.raises(ValueError, match=r"\(0.weight, 0.bias\)"):
+        _refuse_shared_parameters([torch.optim.SGD(first + second, lr=0.1), torch.optim.SGD(first, lr=0.1)], model)
+    _refuse_shared_parameters([torch.optim.SGD(first, lr=0.1), torch.optim.SGD(second, lr=0.1)], model)
+    model[0].requires_grad_(False)
+    _refuse_shared_parameters([torch.optim.SGD(first + second, lr=0.1), torch.optim.SGD(first, lr=0.1)], model)
 
 
 class SparseEmbedding(pl.LightningModule):

@@ -146,6 +146,69 @@ def test_bools_and_iterators_are_refused_with_the_reason(path: str, batched: boo
         store.read(iter([[0] if batched else 0, item]), bytes([STORE, STORE]))
 
 
+class IndexWithBrokenDtype:
+    """An index (``__index__``) whose ``dtype`` attribute raises something other than AttributeError."""
+
+    @property
+    def dtype(self) -> Any:
+        raise RuntimeError("no dtype here")
+
+    def __index__(self) -> int:
+        return 3
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        np.array([5, 2**40, 7], dtype=np.int64),
+        np.array([5, 6], dtype=np.uint8),
+        torch.tensor([5, 2**40, 7]),
+        torch.tensor([5, 6], dtype=torch.uint8),
+        [np.int64(5), np.int32(6)],
+        [torch.tensor(5), 6],
+        [IndexWithBrokenDtype(), 4],
+        np.array([5, True], dtype=object),
+    ],
+    ids=["int64-array", "uint8-array", "tensor", "uint8-tensor", "numpy-ints", "0-d-tensor", "broken-dtype", "objects"],
+)
+def test_integer_arrays_tensors_and_index_objects_are_stored_as_their_values(path: str, batch: Any) -> None:
+    """Arrays and tensors of integers are read by their tolist() (not a 0-d tensor per element), others one by one;
+    an object with __index__ is an index whatever its other attributes do. An object array holding True is no
+    batch of indices."""
+    store = CompactStore(batched=True, owner="MySampler")
+    if isinstance(batch, np.ndarray) and batch.dtype == object:
+        with pytest.raises(TypeError, match="A bool is not an index"):
+            store.read(iter([batch]), bytes([STORE]))
+        return
+    store.read(iter([batch, [1]]), bytes([STORE, STORE]))
+    assert stored(store) == [[operator.index(value) for value in batch], [1]]
+    assert _store.indices_of(batch, batched=True) == tuple(operator.index(value) for value in batch)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        torch.tensor([0.5]),
+        np.array([1.0, 2.0]),
+        np.array([1, 2], dtype="timedelta64[ns]"),  # tolist() gives ints for these units
+        np.array([1, 2], dtype="datetime64[ns]"),
+        torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 1.0, 0, torch.quint8),
+    ],
+    ids=["float-tensor", "integral-floats", "timedelta-ns", "datetime-ns", "quantized"],
+)
+def test_arrays_and_tensors_of_other_than_integers_are_refused_as_before(path: str, batch: Any) -> None:
+    """Only arrays and tensors of integers are read by tolist(), which turns some dates into plain ints."""
+    store = CompactStore(batched=True, owner="MySampler")
+    with pytest.raises(TypeError, match=r"(?s)MySampler yielded .*; each item must be a sequence of integer indices"):
+        store.read(iter([batch]), bytes([STORE]))
+
+
+def test_a_sparse_integer_tensor_batch_is_read_by_iterating_it(path: str) -> None:
+    store = CompactStore(batched=True, owner="MySampler")
+    store.read(iter([torch.tensor([1, 0, 2]).to_sparse()]), bytes([STORE]))
+    assert stored(store) == [[1, 0, 2]]
+
+
 @pytest.mark.parametrize("batched,item", [(True, [0, 2**63]), (True, [-(2**63) - 1]), (False, 2**64)])
 def test_indices_past_64_bits_are_named_as_such(path: str, batched: bool, item: Any) -> None:
     store = CompactStore(batched=batched, owner="MySampler")
