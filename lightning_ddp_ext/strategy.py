@@ -50,6 +50,7 @@ from lightning_ddp_ext.dataloader import uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
+    _check_flag,
     _check_seed,
     _check_shuffle_window,
 )
@@ -362,10 +363,11 @@ class CustomDDP(DDPStrategy):
         if type(self).configure_ddp is CustomDDP.configure_ddp:  # an override may take keywords of its own
             _refuse_keywords_ddp_does_not_take(self.ddp_kwargs, type(self).__name__)
         self.eval_mode = eval_mode
-        self.shuffle_batches_between_ranks = shuffle_batches_between_ranks
+        flag = partial(_check_flag, owner=type(self).__name__)  # "no" is no False
+        self.shuffle_batches_between_ranks = flag(shuffle_batches_between_ranks, "shuffle_batches_between_ranks")
         self.shuffle_window = shuffle_window
-        self.pad_to_world_size = pad_to_world_size
-        self.check_sampler_consistency = check_sampler_consistency
+        self.pad_to_world_size = flag(pad_to_world_size, "pad_to_world_size")
+        self.check_sampler_consistency = flag(check_sampler_consistency, "check_sampler_consistency")
         self.seed = seed
         self._global_seed: Optional[int] = None  # rank 0's PL_GLOBAL_SEED, read in setup_environment (_loader_seed)
         self._replace_samplers = True

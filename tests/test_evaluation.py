@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
@@ -340,6 +341,12 @@ def test_eval_mode_and_shuffle_window_are_validated_at_construction() -> None:
         CustomDDP(eval_mode="uneven")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CustomDDP: shuffle_window must be None or an integer >= 1, got 0"):
         CustomDDP(shuffle_batches_between_ranks=True, shuffle_window=0)
+    for flag in ("shuffle_batches_between_ranks", "pad_to_world_size", "check_sampler_consistency"):
+        with pytest.raises(ValueError, match=f"CustomDDP: {flag} must be True or False, got 'no'"):
+            CustomDDP(**{flag: "no"})  # truthy: it padded, shuffled, checked
+        with pytest.raises(ValueError, match=f"CustomDDP: {flag} must be True or False, got None"):
+            CustomDDP(**{flag: None})  # falsy
+        assert getattr(CustomDDP(**{flag: np.bool_(False)}), flag) is False
 
 
 class GatherAtEpochStart(pl.LightningModule):
