@@ -13,7 +13,7 @@ import inspect
 import math
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 import torch
@@ -421,17 +421,17 @@ def _refuse_shared_parameters(optimizers: Sequence[Optimizer], model: Module) ->
     broadcasts its own partition, and ShardedDataParallel hooks a parameter once per listing, so it would get two
     owners, two reductions, and wrong steps without an error (then a fairscale AssertionError). A frozen one is
     left alone (nothing steps it; its owners broadcast the same values) until it is unfrozen."""
-    seen: set = set()
-    shared: List[torch.Tensor] = []
+    seen: Set[int] = set()
+    shared: Dict[int, torch.Tensor] = {}  # by id, in the order first found shared
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.requires_grad and id(param) in seen and all(param is not known for known in shared):
-                    shared.append(param)
+                if param.requires_grad and id(param) in seen:
+                    shared.setdefault(id(param), param)
                 seen.add(id(param))
     if not shared:
         return
-    listing = ", ".join(_parameter_name(model, param) for param in shared[:5])
+    listing = ", ".join(_parameter_name(model, param) for param in list(shared.values())[:5])
     more = f" and {len(shared) - 5} more" if len(shared) > 5 else ""
     raise ValueError(
         f"CustomDDPSharded cannot shard a trainable parameter that is in more than one optimizer, or twice in one"
