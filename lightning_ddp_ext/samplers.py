@@ -656,7 +656,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         world, rank = self.num_replicas, self.rank
         # pad=False (total < length) deals the first `total` positions of a permutation of the whole sequence,
         # so the items it drops are drawn anew each epoch, as with DistributedSampler(shuffle=True, drop_last=True).
-        own_positions = _serial_randperm(max(total, length), generator)[:total][rank::world].numpy()
+        # A copy of this rank's positions: a view would keep the whole permutation alive for the epoch.
+        own_positions = _serial_randperm(max(total, length), generator)[:total][rank::world].numpy().copy()
         # Padding positions repeat the start of the sequence.
         own_sources = np.where(own_positions < length, own_positions, (own_positions - length) % length)
         # The store holds each needed source once, in reading order: a source's slot is its rank among them.
