@@ -10,7 +10,9 @@ work (instructions) or a larger working set (misses, each a trip to the level-2 
 The workload and contenders are ``sampler_overhead.py``'s (rank 0 of W, batches of 64 indices), and so is
 the floor: the user's sampler alone. Only the epoch is counted: each contender runs in a child process
 under callgrind with collection on inside CPython's ``deque(..., maxlen=0)`` drain (``consume_iterator``),
-after the imports and a warm-up pass that iterates the user's sampler once without it.
+after the imports and a warm-up pass that iterates the user's sampler once without it; the objects made
+up to there are frozen out of the collector's reach (``gc.freeze()``, as in the timed script), and the child
+runs with ``PYTHONHASHSEED=0``, so that set and dict orders, and with them the counts, repeat exactly.
 
 Run it (needs valgrind, e.g. ``apt-get install valgrind``). Each count takes 10-15 minutes on these machines,
 nearly all of it importing torch under valgrind, two at a time on 2 cores: the default (4 counts) about half
@@ -22,10 +24,10 @@ an hour. Each count is printed as it completes, and the table at the end::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections import deque
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import run_process_tree  # noqa: E402
 from sampler_overhead import BY_KEY, UserBatchSampler, parse_counts, size_label  # noqa: E402
 
 CONTENDERS = ("floor", "off", "window", "full")
@@ -42,6 +45,7 @@ CONTENDERS = ("floor", "off", "window", "full")
 D1 = "49152,12,64"
 LL = "2097152,16,64"
 DRAIN = "consume_iterator"  # CPython's C function behind deque(iterable, maxlen=0)
+COUNT_TIMEOUT_S = 3600  # one count takes 10-15 minutes; one that hangs is killed
 
 
 def child(key: str, num_batches: int, world: int) -> None:
@@ -49,6 +53,8 @@ def child(key: str, num_batches: int, world: int) -> None:
     user = UserBatchSampler(num_batches)
     for _ in user:  # warm-up outside the counted function
         pass
+    gc.collect()  # as sampler_overhead.py times: no collection of the start-up's objects inside the count
+    gc.freeze()
     sampler = BY_KEY[key].make(user, world, 0)
     set_epoch = getattr(sampler, "set_epoch", None)
     if callable(set_epoch):
@@ -64,10 +70,11 @@ def count(key: str, num_batches: int, world: int, workdir: str) -> Tuple[int, in
         f"--toggle-collect={DRAIN}", f"--callgrind-out-file={out}",
         sys.executable, __file__, "--child", key, str(num_batches), str(world),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    match = re.search(r"Collected : (\d+) (\d+) (\d+) \d+ (\d+) (\d+)", done.stderr)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"callgrind run of {key} (B={num_batches}, W={world}) failed:\n{done.stderr[-2000:]}")
+    env = dict(os.environ, PYTHONHASHSEED="0")  # str hashes (so set and dict orders) repeat from run to run
+    status, stderr = run_process_tree(command, timeout=COUNT_TIMEOUT_S, env=env, capture=True)
+    match = re.search(r"Collected : (\d+) (\d+) (\d+) \d+ (\d+) (\d+)", stderr)
+    if status != 0 or match is None:
+        raise RuntimeError(f"callgrind run of {key} (B={num_batches}, W={world}) failed:\n{stderr[-2000:]}")
     instructions, _, _, read_misses, write_misses = (int(group) for group in match.groups())
     if instructions == 0:
         raise RuntimeError(f"nothing was counted inside {DRAIN}: is this CPython with its symbols?")

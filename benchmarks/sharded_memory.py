@@ -8,7 +8,8 @@ Adam on two ~20M-parameter models, 2 CPU processes (gloo):
 
 For each model, runs alternate between the two strategies (``--repeats`` each, so drift in machine load hits
 both alike); each run is a separate ``python`` process tree, as a user's training script would be. A run
-reports, per rank: the bytes of optimizer state it holds, its peak RSS, its share of the parameters (for the
+reports, per rank: the bytes of optimizer state it holds, a fingerprint of the trained parameters (which must
+agree across ranks, runs and strategies), its peak RSS, its share of the parameters (for the
 sharded strategy), and its median step time (``--warmup`` steps skipped). Ratios are medians over the
 interleaved pairs. Targets on 2 ranks: optimizer state <= 0.51x (MLP) and <= 0.52x (transformer) of
 CustomDDP's, step time <= 1.25x.
@@ -22,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +31,14 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import run_process_tree  # noqa: E402
+
 MODELS = ("mlp", "transformer")
 STRATEGIES = ("ddp_custom_sampler", "ddp_custom_sampler_sharded")
 STATE_TARGETS = {"mlp": 0.51, "transformer": 0.52}
 STEP_TARGET = 1.25
+FINGERPRINT_RTOL = 1e-5  # float32 reductions in another order differ in the last bits only
 VOCAB, WIDTH, LAYERS, SEQUENCE = 8000, 512, 4, 32
 
 
@@ -59,6 +63,28 @@ class TinyLM(nn.Module):
 
 def build_transformer(device: Optional[str] = None) -> nn.Module:
     return TinyLM(device)
+
+
+def _fingerprint(model: nn.Module) -> List[float]:
+    """Sum and sum of squares of all parameters, in float64: equal (to rounding) when two runs trained alike."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    return [flat.sum().item(), flat.square().sum().item()]
+
+
+def _check_same_training(model_name: str, runs: Dict[str, List[List[Dict[str, Any]]]]) -> None:
+    """Every rank of every run must end with the same parameters: a benchmark of a wrong result is no benchmark."""
+    reference = runs[STRATEGIES[0]][0][0]["trained"]
+    for strategy, strategy_runs in runs.items():
+        for run in strategy_runs:
+            for rank, report in enumerate(run):
+                for got, want in zip(report["trained"], reference):
+                    if abs(got - want) > FINGERPRINT_RTOL * max(abs(want), 1.0):
+                        raise RuntimeError(
+                            f"{model_name}: rank {rank} of a {strategy} run ended with parameters"
+                            f" {report['trained']} (sum, sum of squares), {STRATEGIES[0]}'s first run with"
+                            f" {reference}: the strategies did not train alike"
+                        )
 
 
 def _worker(model_name: str, strategy: str, out: str, steps: int, warmup: int) -> None:
@@ -106,6 +132,7 @@ def _worker(model_name: str, strategy: str, out: str, steps: int, warmup: int) -
                 "owned_params": owned,
                 "params": sum(p.numel() for p in self.parameters()),
                 "median_step_s": statistics.median(self.step_times),
+                "trained": _fingerprint(self.net),
             }
             Path(out, f"rank{self.global_rank}.json").write_text(json.dumps(report))
 
@@ -133,9 +160,9 @@ def _run(model_name: str, strategy: str, steps: int, warmup: int) -> List[Dict[s
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, __file__, "--worker", model_name, strategy, tmp, str(steps), str(warmup)]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")}
-        subprocess.run(
-            command, check=True, timeout=900, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        status, _ = run_process_tree(command, timeout=900, cwd=tmp, env=env)
+        if status != 0:
+            raise RuntimeError(f"the {model_name} run under {strategy!r} exited with status {status}: rerun {command}")
         return [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -182,6 +209,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for strategy in STRATEGIES:
                 runs[strategy].append(_run(model_name, strategy, args.steps, args.warmup))
+        _check_same_training(model_name, runs)
         summary: Dict[str, Dict[str, float]] = {}
         for strategy in STRATEGIES:
             reports = [rank for run in runs[strategy] for rank in run]

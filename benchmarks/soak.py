@@ -13,11 +13,12 @@ Rank 0 prints a row every ``--every`` epochs and a summary against the targets:
 * the partition held in every epoch.
 
 The popen launcher re-runs this file for rank 1 with the same arguments. Exit status 1 when a target is missed.
-Linux only (``/proc``).
+A rank still running after ``--timeout`` seconds prints its stacks and exits. Linux only (``/proc``).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -184,7 +185,9 @@ def summarise(rows: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=200)
-    parser.add_argument("--samples", type=int, default=200, help="dataset size (about 40 batches per epoch)")
+    parser.add_argument(
+        "--samples", type=int, default=201, help="dataset size (the default makes 39 batches: one padding repeat on 2 ranks)"
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
     parser.add_argument(
@@ -196,7 +199,13 @@ def main() -> int:
     parser.add_argument("--shuffle-window", type=int, default=None, help="CustomDDP shuffle_window (None: full)")
     parser.add_argument("--every", type=int, default=10, help="print a row every N epochs")
     parser.add_argument("--json", default=None, help="write the rows and the summary here")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds after which every rank prints its stacks and exits"
+    )
     args = parser.parse_args()
+    # A hang outside a collective (which the strategy's 60 s timeout ends) must not run forever: each rank
+    # (the launcher re-runs this file for rank 1) dumps its threads' stacks and exits with status 1.
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
 
     sampler = ShuffledVariableBatches(args.samples, seed=3)
     loader = DataLoader(
