@@ -11,6 +11,7 @@ import inspect
 import os
 import tempfile
 import traceback
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -403,31 +404,34 @@ def _restored_progress(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
     return epochs, batches
 
 
-def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]]) -> Optional[tuple[int, Any]]:
-    """``(epoch, its batch progress)`` when the ``restored`` progress (see :func:`_restored_progress`) is inside
-    an epoch (the epoch number is the one Lightning passes to ``set_epoch`` when it goes on), else None.
+def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]]) -> Optional[tuple[int, int, Any]]:
+    """``(epoch, trained epoch, its batch progress)`` when the ``restored`` progress (see
+    :func:`_restored_progress`) is inside an epoch, else None. ``epoch`` is the number Lightning passes to
+    ``set_epoch`` when it goes on; ``trained epoch`` the number of the epoch whose batches were trained.
 
     That is an epoch started but not processed (a checkpoint written during it), or one whose epoch-end hooks
     ran before its last batch: ``max_steps`` or ``trainer.should_stop`` ended the fit there, and the checkpoint
     ``ModelCheckpoint`` writes then is processed but not completed. Lightning goes on with the epoch's remaining
     batches from either (from the same shape after the last batch, with the next epoch). For the second, fit
-    loops with restart stages pass the processed count to ``set_epoch``, older ones (2.2) the completed one."""
+    loops with restart stages pass the processed count to ``set_epoch`` (one more than the ended epoch's: they
+    count its rest as an epoch of its own), older ones (2.2) the completed one (the ended epoch's)."""
     if restored is None:
         return None
     epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
     if epochs.started != epochs.ready:
         return None
     if epochs.processed == epochs.started - 1:
-        return int(epochs.processed), restored[1]
+        return int(epochs.processed), int(epochs.processed), restored[1]
     ended_early = epochs.processed == epochs.started and epochs.completed == epochs.processed - 1
     if ended_early and not _last_batch_done(restored[1]):
         stages = hasattr(trainer.fit_loop, "resumed_on_epoch_end")
-        return int(epochs.processed if stages else epochs.completed), restored[1]
+        return int(epochs.processed if stages else epochs.completed), int(epochs.completed), restored[1]
     return None
 
 
 def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     """``(epoch, batches already trained in it)`` when ``fit`` resumes from a mid-epoch checkpoint, else None.
+    The epoch is the one whose batches were trained (see :func:`_restarted_epoch`): the rest is dealt in its order.
 
     Its batches counted as processed ran their optimizer step before the checkpoint (a checkpoint written in
     ``on_train_batch_end`` counts its own batch as processed but not yet completed). A checkpoint written after
@@ -438,14 +442,14 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     the count returned is then the batches they count as completed.
     """
     restarted = _restarted_epoch(trainer, _restored_progress(trainer))
-    if restarted is None or _last_batch_done(restarted[1]):
+    if restarted is None or _last_batch_done(restarted[2]):
         return None
-    progress = restarted[1].current
+    progress = restarted[2].current
     # Lightning runs the epoch's batches it does not count as done. Loops with restart stages count the batch
     # whose on_train_batch_end wrote the checkpoint (processed, not yet completed); older ones (2.2) run it
     # again, so skipping it there would leave them one batch short: no epoch-end validation, no last step.
     done = progress.processed if hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end") else progress.completed
-    return restarted[0], int(done)
+    return restarted[1], int(done)
 
 
 def restores_loader_position(trainer: "pl.Trainer", loader: object) -> bool:
@@ -502,13 +506,35 @@ def _last_batch_done(batches: Any) -> bool:
     return bool(batches.is_last_batch) and progress.processed == progress.started == progress.ready
 
 
+class TrainingEpochToDeal:
+    """The epoch a training loader deals when Lightning's fit loop calls ``set_epoch(epoch)`` (see
+    :func:`_restarted_epoch`): the loop's number, but one less while the fit loop's processed epochs run one
+    ahead of its completed ones (``trainer.current_epoch``), as they do for the rest of a fit resumed from the
+    checkpoint of a fit that ``max_steps`` ended inside an epoch, on loops with restart stages. Those loops pass
+    the processed count, so a sampler that reshuffles per epoch would draw each epoch in the next one's order.
+    Holds the trainer weakly; a copy that was pickled passes epochs through unchanged."""
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        self._trainer: Optional[Callable[[], Optional["pl.Trainer"]]] = weakref.ref(trainer)
+
+    def __call__(self, epoch: int) -> int:
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not hasattr(trainer.fit_loop, "resumed_on_epoch_end"):
+            return epoch
+        progress: Any = trainer.fit_loop.epoch_progress.current
+        return epoch - 1 if epoch == progress.processed == progress.completed + 1 else epoch
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"_trainer": None}
+
+
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
     next one after a checkpoint written at an epoch's last batch."""
     restored = _restored_progress(trainer)
     restarted = _restarted_epoch(trainer, restored)
     if restarted is not None:
-        return restarted[0] + (1 if _last_batch_done(restarted[1]) else 0)
+        return restarted[0] + (1 if _last_batch_done(restarted[2]) else 0)
     epochs: Any = (restored[0] if restored is not None else trainer.fit_loop.epoch_progress).current
     return int(epochs.processed)
 

@@ -295,6 +295,8 @@ def _divergence_error(
         " item of that sequence, so different sequences overlap and part of the data is never seen. Seed the"
         " sampler identically on every rank (for example pass a torch.Generator seeded with the same number, and"
         " derive per-epoch randomness from seed + epoch in set_epoch), and give it the same data on every rank."
+        " A sampler whose state changes during training (curriculum levels, hard-negative weights) must get the"
+        " same change on every rank: compute it from values gathered from all ranks, not from one rank's own."
         " If it already gives each rank its own share (it reads the rank), it must not be dealt again: pass"
         " Trainer(use_distributed_sampler=False) under Lightning, or leave patch_dataloader_to_ddp out in plain"
         " PyTorch."

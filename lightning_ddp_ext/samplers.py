@@ -23,7 +23,7 @@ import sys
 import warnings
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
-from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import torch
@@ -191,7 +191,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         self.shuffle_window = shuffle_window
         self.even_shares = even_shares
         self.epoch = 0
-        self._epoch_set_ahead: Optional[int] = None  # see _set_epoch_ahead_of_loop
+        self._epoch_set_ahead: Optional[Tuple[int, int]] = None  # see _set_epoch_ahead_of_loop
+        # Set by CustomDDP on a training loader's wrapper: the epoch to deal when the loop calls set_epoch(epoch).
+        self._loop_epoch_to_deal: Optional[Callable[[int], int]] = None
         #: When False, :meth:`set_epoch` leaves out the user's batch sampler itself (see there).
         self.forward_epoch_to_batch_sampler = True
         self._resume: Optional[tuple[int, Union[int, Callable[[], int]]]] = None
@@ -226,7 +228,18 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             return object.__getattribute__(self, name)  # raise its own error, not "no attribute"
         if self._forwards(name):
             return getattr(self.__dict__["source"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{self._not_forwarded(name)}")
+
+    def _not_forwarded(self, name: str) -> str:
+        """Where to reach ``name`` when the user's object has it but the wrapper does not read it through."""
+        source = self.__dict__.get("source")
+        if name not in self._NOT_FORWARDED or not hasattr(source, name):
+            return ""
+        return (
+            f": {self._source_name}'s {name} is not read or set through the wrapper (Lightning and torchdata would"
+            f" take the wrapper for an object they may rebuild or restore). Reach it on your object itself,"
+            f" wrapper.source.{name} (loader.batch_sampler.batch_sampler or loader.sampler.sampler)"
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Set a data attribute of the user's object through the wrapper (a curriculum callback raising
@@ -237,8 +250,11 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         attribute then hides the user's of the same name for reads and writes through the wrapper too.
         """
         forwarded = self._forwards(name)
-        if forwarded and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
+        users = forwarded or name in self._NOT_FORWARDED
+        if users and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
             forwarded = False  # the wrapper's own code, or a subclass's, sets its own attribute
+        elif name in self._NOT_FORWARDED and self._not_forwarded(name):  # set here, it would change nothing
+            raise AttributeError(f"cannot set {name!r} on {type(self).__name__}{self._not_forwarded(name)}.")
         if forwarded:
             setattr(self.__dict__["source"], name, value)
         else:
@@ -304,10 +320,17 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         forwarded, as a loop makes it (Lightning's sets a validation loader's epoch before every validation run),
         except a repeat that ``CustomDDP`` announced (it sets the epoch before the loop does).
         """
-        self.epoch = epoch
         ahead, self._epoch_set_ahead = self._epoch_set_ahead, None
-        if epoch == ahead:
+        if ahead is not None and epoch == ahead[0]:
+            self.epoch = ahead[1]
             return
+        numbering = self.__dict__.get("_loop_epoch_to_deal")
+        if numbering is not None:
+            epoch = numbering(epoch)
+        self.epoch = epoch
+        self._forward_epoch(epoch)
+
+    def _forward_epoch(self, epoch: int) -> None:
         targets: dict[int, Any] = {}
         own = self.source if self.forward_epoch_to_batch_sampler or not self._batched else None
         for candidate in (own, getattr(self.source, "sampler", None) if self._batched else None):
@@ -317,13 +340,19 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         for set_epoch in targets.values():
             set_epoch(epoch)
 
-    def _set_epoch_ahead_of_loop(self, epoch: int) -> None:
+    def _set_epoch_ahead_of_loop(self, epoch: int, dealt_as: Optional[int] = None, forwarded: bool = False) -> None:
         """:meth:`set_epoch` now, on behalf of a loop that will call ``set_epoch(epoch)`` itself before the epoch:
         that call then sets nothing again, so a sampler whose ``set_epoch`` advances a curriculum sees the epoch
         once. ``CustomDDP`` sets the epoch before Lightning's loop does (a loader with workers draws its first
-        indices as soon as its iterator is made)."""
-        self.set_epoch(epoch)
-        self._epoch_set_ahead = epoch
+        indices as soon as its iterator is made). With ``dealt_as``, the epoch is dealt (and forwarded) as that
+        one instead, and the loop's call keeps it: the rest of an epoch that ``max_steps`` ended, which Lightning
+        numbers as the next one, is the ended epoch's, in its order. ``forwarded``: the user's sampler was given
+        that epoch already (by another wrapper around it, set up earlier for the same epoch), so it is not again."""
+        dealt = epoch if dealt_as is None else dealt_as
+        self.epoch = dealt
+        if not forwarded:
+            self._forward_epoch(dealt)
+        self._epoch_set_ahead = (epoch, dealt)
 
     @property
     def head_digest(self) -> Optional[SequenceDigest]:
@@ -1097,13 +1126,42 @@ class DistributedSamplerWrapper(_DealingWrapper[int]):
 class _EpochRelay:
     """Exposed as ``wrapper.sampler`` so that loops calling ``loader.batch_sampler.sampler.set_epoch(e)``
     (Lightning's, accelerate's) reach the wrapper: they never call ``set_epoch`` on the batch sampler itself.
+
+    Every other attribute is read and set on the user's batch sampler's own ``sampler``, as on one device (a
+    hard-negative callback setting ``batch_sampler.sampler.weights``): set on the relay, it would change
+    nothing, silently. A batch sampler without one gets an AttributeError that says so.
     """
 
+    __slots__ = ("_wrapper",)
+
     def __init__(self, wrapper: DistributedBatchSamplerWrapper) -> None:
-        self._wrapper = wrapper
+        object.__setattr__(self, "_wrapper", wrapper)
 
     def set_epoch(self, epoch: int) -> None:
         self._wrapper.set_epoch(epoch)
+
+    def _users_sampler(self, name: str) -> Any:
+        source = self._wrapper.source
+        try:
+            return source.sampler  # type: ignore[attr-defined]
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self._wrapper).__name__}.sampler only relays set_epoch to the wrapper: your"
+                f" {self._wrapper._source_name} has no sampler attribute, so there is no {name!r} to reach through"
+                " it. Reach your batch sampler's attributes through loader.batch_sampler (or"
+                " loader.batch_sampler.batch_sampler, the object itself)."
+            ) from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # private names, and copy's and pickle's protocols, stay the relay's
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._users_sampler(name), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._users_sampler(name), name, value)
 
     def __repr__(self) -> str:
         return f"_EpochRelay(to={type(self._wrapper).__name__} over {self._wrapper._source_name})"

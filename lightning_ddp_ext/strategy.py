@@ -173,10 +173,11 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
     return reduce_op is not None and reduce_op == dist.ReduceOp.AVG
 
 
-#: What `CustomDDP._prepare_first_epoch` sets for a training loader: the epoch of its sampler, and the
-#: ``(epoch, batches done)`` its wrapper skips; None for what it leaves alone.
-_Plan = tuple[Optional[int], Optional[tuple[int, int]]]
-_NOTHING_PLANNED: _Plan = (None, None)
+#: What `CustomDDP._prepare_first_epoch` sets for a training loader: the epoch Lightning sets on its sampler, the
+#: epoch its wrapper deals (the same, but for the rest of an epoch that max_steps ended: see
+#: `_compat._restarted_epoch`), and the ``(epoch, batches done)`` its wrapper skips; None for what it leaves alone.
+_Plan = tuple[Optional[int], Optional[int], Optional[tuple[int, int]]]
+_NOTHING_PLANNED: _Plan = (None, None, None)
 
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
@@ -383,6 +384,8 @@ class CustomDDP(DDPStrategy):
         self._restored = self._trained_loader_set_up_before_restore = self._restarting_left_over = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
         self._prepared_with: Dict[int, _Plan] = {}
+        # The epoch _prepare_first_epoch gave a user's sampler in this fit, by id(sampler): (the sampler, epoch).
+        self._epochs_given: Dict[int, Tuple[object, int]] = {}
         #: The number of ranks that wrote the checkpoint last loaded (None: not recorded, see `save_checkpoint`).
         self._checkpoint_world_size: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
@@ -468,12 +471,27 @@ class CustomDDP(DDPStrategy):
         # `trainer.estimated_stepping_batches`): Lightning's own sampler replacement must be off by then.
         self._restored = self._trained_loader_set_up_before_restore = False
         self._prepared_with = {}
+        self._epochs_given = {}
+        self._refuse_more_processes_than_devices()
         super().setup_environment()
         trainer = self._attached_trainer
         self._restarting_left_over = trainer is not None and trainer.fit_loop.restarting
         if trainer is not None:  # after the ranks are known, so that rank 0 alone says what it says
             self._take_over_sampler_replacement(trainer)
         self._broadcast_loader_seed()
+
+    def _refuse_more_processes_than_devices(self) -> None:
+        """Lightning checks only that ``num_nodes * devices`` is the world size a launcher reports: torchrun with
+        2 processes on 1 node and ``Trainer(num_nodes=2, devices=1)`` passes, and local rank 1 then fails with an
+        IndexError inside Lightning. Say what to change instead, before the process group is made."""
+        devices = len(self.parallel_devices or ())
+        if devices and not 0 <= self.local_rank < devices:
+            raise RuntimeError(
+                f"{type(self).__name__}: this process is local rank {self.local_rank} of its node, but Trainer(devices="
+                f"{devices}) runs {devices} process(es) per node: the launcher started more processes per node than"
+                " that. Make torchrun's --nproc_per_node (or srun's --ntasks-per-node) equal Trainer(devices=...),"
+                " and --nnodes equal Trainer(num_nodes=...)."
+            )
 
     def _broadcast_loader_seed(self) -> None:
         """seed=None takes seed_everything's seed, as Lightning's DistributedSampler does, but rank 0's: a seed
@@ -1073,13 +1091,21 @@ class CustomDDP(DDPStrategy):
         pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
         sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
-        epoch, resume = plan = self._first_epoch_plan(loader, trainer)
+        epoch, dealt, resume = plan = self._first_epoch_plan(loader, trainer)
         self._prepared_with[id(loader)] = plan
+        if wrapper is not None:
+            wrapper._loop_epoch_to_deal = _compat.TrainingEpochToDeal(trainer)
         # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
-        if sampler is not None and epoch is not None and sampler.epoch != epoch and _compat.fit_trains_an_epoch(trainer):
+        if sampler is not None and epoch is not None and _compat.fit_trains_an_epoch(trainer):
             if isinstance(sampler, _WRAPPER_TYPES):
-                sampler._set_epoch_ahead_of_loop(epoch)  # Lightning's loop sets it again: not forwarded twice
-            else:
+                if sampler.epoch != dealt or dealt != epoch:  # Lightning's loop sets it again: not forwarded twice
+                    # Nor twice by two set-ups of the fit's first epoch (with reload_dataloaders_every_n_epochs, the
+                    # fit loop sets its loaders up again as a resumed epoch starts), each wrapping the user's object.
+                    given = self._epochs_given.get(id(sampler.source))
+                    forwarded = given is not None and given[0] is sampler.source and given[1] == dealt
+                    sampler._set_epoch_ahead_of_loop(epoch, dealt_as=dealt, forwarded=forwarded)
+                    self._epochs_given[id(sampler.source)] = (sampler.source, epoch if dealt is None else dealt)
+            elif sampler.epoch != epoch:
                 sampler.set_epoch(epoch)
         if wrapper is None:
             return
@@ -1096,11 +1122,12 @@ class CustomDDP(DDPStrategy):
         epoch = _compat.epoch_for_samplers(trainer) if _epoch_sampler(loader) is not None else None
         wrapper = _wrapper_of(loader)
         if wrapper is None:
-            return epoch, None
+            return epoch, epoch, None
         resume = _compat.mid_epoch_resume(trainer)
+        dealt = resume[0] if resume is not None and epoch is not None else epoch
         if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
-            return epoch, None
-        return epoch, resume
+            return epoch, dealt, None
+        return epoch, dealt, resume
 
     def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> None:
         """Make ``wrapper``'s next iteration of ``epoch`` ask :meth:`_resume_skip` what to skip."""

@@ -199,7 +199,7 @@ def run_resume_script(out: Path, workers: int) -> Dict[str, Any]:
     command = [sys.executable, str(SCRIPTS / "reliability_resume.py"), str(out), str(workers)]
     (code, log), = finish_jobs({"job": start_job(command, out, job_env())}, out).values()
     assert code == 0, log[-4000:]
-    runs = ("two_epochs", "resumed", "uninterrupted", "resumed_mid_epoch")
+    runs = ("two_epochs", "resumed", "resumed_reloading", "uninterrupted", "resumed_mid_epoch")
     return {
         run: {
             "reports": [read_json(out / run / f"rank{r}.json") for r in range(WORLD)],
@@ -228,6 +228,10 @@ def test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run(resum
         assert list(ours) == [2], "the resumed fit must run epoch 2 (the third) only"
         assert ours[2] == theirs[2] == expected[rank]
         assert resumed["reports"][rank]["facts"]["epochs_set"]["only"] == [2]  # once, though set twice
+        # Also when reload_dataloaders_every_n_epochs sets the loader up again as the resumed epoch starts (each
+        # set-up wraps the user's sampler anew): it was given epoch 2 by both.
+        reloading = resume_runs["resumed_reloading"]["reports"][rank]
+        assert reloading["facts"]["epochs_set"]["only"] == [2] and batches_by_epoch(reloading)[2] == theirs[2]
         assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
     for epoch in range(3):
         assert_partition([batches_by_epoch(uninterrupted["reports"][r])[epoch] for r in range(WORLD)],
@@ -281,7 +285,8 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     assert code == 0, log[-4000:]
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
-            "ended_by_max_steps_resumed_by_epochs", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
+            "ended_reshuffled_resumed", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
@@ -295,30 +300,31 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
 
 
+EDGE_CASES = [
+    ("limited", "resumed", ["only"]),
+    ("limited", "resumed_with_workers", ["only"]),
+    ("cycled", "resumed", ["a", "b", "c"]),
+    ("ended_by_max_steps", "resumed", ["only"]),
+    ("ended_reshuffled", "resumed", ["only"]),
+    ("stateful", "resumed", ["only"]),
+    ("sized", "resumed", ["a", "b", "c"]),
+    ("user_dealt", "resumed", ["only"]),
+    ("user_sharded", "resumed", ["only"]),
+    ("estimating", "resumed", ["only"]),
+    ("early", "resumed", ["only"]),
+    ("stateful", "early_resumed", ["only"]),
+    ("user_batched", "resumed", ["only"]),
+    ("user_sharded_batched", "resumed", ["only"]),
+    ("stateful_streams", "resumed", ["stream"]),
+    ("stateful_streams_reloaded", "resumed", ["dealt", "stream"]),
+    ("stateful", "estimating_resumed", ["only"]),
+    ("stateful_mixed", "resumed", ["s", "plain"]),
+    ("stateful_streams", "on_fit_start_resumed", ["stream"]),
+]
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize(
-    "run,resumed,loaders",
-    [
-        ("limited", "resumed", ["only"]),
-        ("limited", "resumed_with_workers", ["only"]),
-        ("cycled", "resumed", ["a", "b", "c"]),
-        ("ended_by_max_steps", "resumed", ["only"]),
-        ("stateful", "resumed", ["only"]),
-        ("sized", "resumed", ["a", "b", "c"]),
-        ("user_dealt", "resumed", ["only"]),
-        ("user_sharded", "resumed", ["only"]),
-        ("estimating", "resumed", ["only"]),
-        ("early", "resumed", ["only"]),
-        ("stateful", "early_resumed", ["only"]),
-        ("user_batched", "resumed", ["only"]),
-        ("user_sharded_batched", "resumed", ["only"]),
-        ("stateful_streams", "resumed", ["stream"]),
-        ("stateful_streams_reloaded", "resumed", ["dealt", "stream"]),
-        ("stateful", "estimating_resumed", ["only"]),
-        ("stateful_mixed", "resumed", ["s", "plain"]),
-        ("stateful_streams", "on_fit_start_resumed", ["stream"]),
-    ],
-)
+@pytest.mark.parametrize("run,resumed,loaders", EDGE_CASES, ids=[f"{run}-{resumed}" for run, resumed, _ in EDGE_CASES])
 def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     resume_edge_runs: Dict[str, List[Dict[str, Any]]], run: str, resumed: str, loaders: List[str]
 ) -> None:
@@ -346,7 +352,7 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     # Lightning without restart stages (2.2) re-runs the batch whose on_train_batch_end wrote the checkpoint,
     # except from a stateful loader, which goes on after the last batch it yielded.
     rerun = 0 if run.startswith("stateful") or hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
-    rerun = 0 if run == "ended_by_max_steps" else rerun  # written after the batch's hooks, at the epoch's end
+    rerun = 0 if run.startswith("ended") else rerun  # written after the batch's hooks, at the epoch's end
     for rank in range(WORLD):
         for loader in loaders:
             key = f"train/{loader}"
@@ -361,13 +367,39 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "estimating": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "user_batched": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "early": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
-        "ended_by_max_steps": "skips the 3 batch(es) of epoch",  # epoch 1 to Lightning 2.6's set_epoch, 0 to 2.2's
+        "ended_by_max_steps": "skips the 3 batch(es) of epoch 0",  # which Lightning 2.6 calls epoch 1 in set_epoch
+        "ended_reshuffled": "skips the 3 batch(es) of epoch 0",
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
     if run in ("estimating", "early"):  # the iterator is made once after the restore, or not again: one skip
         assert sum(said in line for line in info) == 1, info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_fit_ended_by_max_steps_and_resumed_twice_with_a_reshuffling_sampler_trains_as_the_uninterrupted_run(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Resumed from the epoch-end checkpoint of a fit that max_steps ended, Lightning 2.3+ passes set_epoch one
+    more than the epoch it runs, for the rest of the ended epoch and every epoch after: a sampler reshuffling per
+    epoch trained the rest in the next epoch's order (never training the ended epoch's last batches, nor the
+    next epoch's first), and each later epoch in the order of the one after it. Interrupted again inside the
+    next epoch and resumed, the run still trains what the uninterrupted one did."""
+    # Lightning without restart stages (2.2) re-runs the batch whose on_train_batch_end wrote the second checkpoint,
+    # as one more step: max_steps then ends the resumed fit one batch early.
+    rerun = 0 if hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
+    for rank in range(WORLD):
+        whole = resume_edge_runs["ended_reshuffled"][rank]["seen"]["train/only"]
+        again = resume_edge_runs["ended_reshuffled_again"][rank]["seen"]["train/only"]
+        parts = (
+            resume_edge_runs["ended_reshuffled_first"][rank]["seen"]["train/only"]
+            + again[: len(again) - rerun]
+            + resume_edge_runs["ended_reshuffled_again_resumed"][rank]["seen"]["train/only"]
+        )
+        assert parts == whole[: len(whole) - rerun], f"rank {rank}: interrupted twice and resumed {parts} != {whole}"
+    info = resume_edge_runs["ended_reshuffled_again_resumed"][0]["facts"]["info"]
+    assert any(f"skips the {2 - rerun} batch(es) of epoch 1 trained" in line for line in info), info
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_ddp_ext import _store
 from lightning_ddp_ext.samplers import (
@@ -335,6 +335,43 @@ def test_the_users_data_attributes_are_read_and_set_through_the_wrapper() -> Non
     assert not hasattr(plain, "__pl_saved_args") and not hasattr(plain, "state_dict")
     restored = pickle.loads(pickle.dumps(wrapper))
     assert restored.num_batches == 4 and copy.deepcopy(wrapper).num_batches == 4  # type: ignore[attr-defined]
+
+
+def test_the_users_inner_sampler_is_reached_through_the_relay_and_batch_size_is_not_set_silently() -> None:
+    """A hard-negative callback written for one device sets ``batch_sampler.sampler.weights``; a batch-size
+    curriculum sets ``batch_sampler.batch_size``. Neither may change nothing without an error."""
+    inner = WeightedRandomSampler(torch.ones(8), 8, generator=torch.Generator().manual_seed(0))
+    users = BatchSampler(inner, 2, False)
+    wrapper = DistributedBatchSamplerWrapper(_HardNegatives(users), 2, 0)
+    wrapper.sampler.weights = torch.arange(8.0)
+    assert torch.equal(inner.weights, torch.arange(8.0)) and wrapper.sampler.num_samples == 8
+    assert "weights" not in dir(type(wrapper.sampler))
+    for name in ("batch_size", "drop_last"):
+        with pytest.raises(AttributeError, match=rf"cannot set '{name}' on DistributedBatchSamplerWrapper: .*wrapper.source.{name}"):
+            setattr(wrapper, name, 4)
+        with pytest.raises(AttributeError, match=rf"Reach it on your object itself, wrapper.source.{name}"):
+            getattr(wrapper, name)
+    assert not hasattr(wrapper, "batch_size") and wrapper.source.batch_size == 2
+    without = DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0)
+    with pytest.raises(AttributeError, match="VariableBatches has no sampler attribute, so there is no 'weights'"):
+        without.sampler.weights = 1
+    assert not hasattr(without.sampler, "weights") and callable(without.sampler.set_epoch)
+    for copied in (copy.copy(wrapper), copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+        copied.sampler.set_epoch(3)
+        assert copied.epoch == 3 and wrapper.epoch == 0
+
+
+class _HardNegatives:
+    """A batch sampler over a weighted sampler, subclassing nothing."""
+
+    def __init__(self, users: BatchSampler) -> None:
+        self.users, self.sampler, self.batch_size, self.drop_last = users, users.sampler, users.batch_size, False
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self.users)
 
 
 class _Slotted:

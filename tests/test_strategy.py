@@ -287,6 +287,22 @@ def test_init_ddp_connection_takes_1x_calls_and_must_leave_a_process_group() -> 
     assert "NoGroupDDP.init_ddp_connection returned without a default process group" in str(raised.value)
 
 
+def test_more_processes_per_node_than_devices_is_refused_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun --nnodes=1 --nproc_per_node=2 with Trainer(num_nodes=2, devices=1): the world size matches, so
+    Lightning accepted it, and local rank 1 failed with an IndexError in DDPStrategy.root_device."""
+    environment = {"TORCHELASTIC_RUN_ID": "test", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                   "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, num_nodes=2, max_epochs=1))
+    with pytest.raises(RuntimeError) as raised:
+        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert "this process is local rank 1 of its node, but Trainer(devices=1) runs 1 process(es) per node" in str(
+        raised.value
+    ), str(raised.value)
+    assert "torchrun's --nproc_per_node (or srun's --ntasks-per-node) equal Trainer(devices=...)" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [

@@ -81,6 +81,7 @@ from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
 ENDED_BY_MAX_STEPS = 3  # of the 6 batches a rank of the first epoch
+RESHUFFLED_AGAIN = 8  # after the rest of the first epoch, 2 batches into the second
 USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
 USER_SHARDED_STOP = 6  # the end of epoch 0
 SHARED_STOP = 2
@@ -122,6 +123,26 @@ def fit_interrupted(
 
 def curriculum_loader() -> Any:
     return DataLoader(IndexDataset(48), sampler=EveryThirdFirst(48), batch_size=4)  # 6 batches a rank, every epoch
+
+
+class Reshuffled(torch.utils.data.Sampler[int]):
+    """An index sampler that draws a new order every epoch (seeded by it), as most do."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.epoch = size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def reshuffled_loader() -> Any:
+    return DataLoader(IndexDataset(48), sampler=Reshuffled(48), batch_size=4)  # 6 batches a rank, every epoch
 
 
 def limited_loader() -> Any:
@@ -344,6 +365,15 @@ if __name__ == "__main__":
     ended_checkpoint = fit_interrupted(out, "ended_by_max_steps", curriculum_loader, ENDED_BY_MAX_STEPS,
                                        at_epoch_end=True, max_epochs=3, max_steps=12)
     fit(out, "ended_by_max_steps_resumed_by_epochs", curriculum_loader, ckpt_path=ended_checkpoint, max_epochs=2)
+    # The same with a sampler that reshuffles per epoch: Lightning 2.3+ passes set_epoch one more than the epoch it
+    # runs from then on; the rest must be dealt in the ended epoch's order, and later epochs in theirs, also
+    # after a second resume from a checkpoint written inside the next epoch.
+    reshuffled_checkpoint = fit_interrupted(out, "ended_reshuffled", reshuffled_loader, ENDED_BY_MAX_STEPS,
+                                            at_epoch_end=True, max_epochs=3, max_steps=12)
+    fit(out, "ended_reshuffled_again", reshuffled_loader, ckpt_path=reshuffled_checkpoint, stop_at=RESHUFFLED_AGAIN,
+        max_epochs=3)
+    fit(out, "ended_reshuffled_again_resumed", reshuffled_loader, max_epochs=3, max_steps=12,
+        ckpt_path=checkpoints / f"ended_reshuffled_again-step={RESHUFFLED_AGAIN}.ckpt")
     fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
     fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
     fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
