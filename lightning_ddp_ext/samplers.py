@@ -253,7 +253,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         users = forwarded or name in self._NOT_FORWARDED
         if users and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
             forwarded = False  # the wrapper's own code, or a subclass's, sets its own attribute
-        elif name in self._NOT_FORWARDED and self._not_forwarded(name):  # set here, it would change nothing
+        elif (  # set on the wrapper, it would change nothing: unless the wrapper (a subclass) has it as its own
+            name in self._NOT_FORWARDED
+            and name not in self.__dict__
+            and not _attributes.found_on_class(type(self), name)
+            and self._not_forwarded(name)
+        ):
             raise AttributeError(f"cannot set {name!r} on {type(self).__name__}{self._not_forwarded(name)}.")
         if forwarded:
             setattr(self.__dict__["source"], name, value)
@@ -1132,13 +1137,16 @@ class _EpochRelay:
     nothing, silently. A batch sampler without one gets an AttributeError that says so.
     """
 
-    __slots__ = ("_wrapper",)
+    __slots__ = ("_wrapper", "__weakref__")
 
     def __init__(self, wrapper: DistributedBatchSamplerWrapper) -> None:
         object.__setattr__(self, "_wrapper", wrapper)
 
     def set_epoch(self, epoch: int) -> None:
         self._wrapper.set_epoch(epoch)
+
+    def __reduce__(self) -> Any:  # every pickle protocol: a class with __slots__ needs protocol 2 by default
+        return (_EpochRelay, (self._wrapper,))
 
     def _users_sampler(self, name: str) -> Any:
         source = self._wrapper.source

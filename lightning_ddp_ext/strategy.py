@@ -386,6 +386,7 @@ class CustomDDP(DDPStrategy):
         self._prepared_with: Dict[int, _Plan] = {}
         # The epoch _prepare_first_epoch gave a user's sampler in this fit, by id(sampler): (the sampler, epoch).
         self._epochs_given: Dict[int, Tuple[object, int]] = {}
+        self._deals_current_epoch = False  # see _prepare_first_epoch
         #: The number of ranks that wrote the checkpoint last loaded (None: not recorded, see `save_checkpoint`).
         self._checkpoint_world_size: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
@@ -472,6 +473,7 @@ class CustomDDP(DDPStrategy):
         self._restored = self._trained_loader_set_up_before_restore = False
         self._prepared_with = {}
         self._epochs_given = {}
+        self._deals_current_epoch = False
         self._refuse_more_processes_than_devices()
         super().setup_environment()
         trainer = self._attached_trainer
@@ -1093,7 +1095,10 @@ class CustomDDP(DDPStrategy):
         sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
         epoch, dealt, resume = plan = self._first_epoch_plan(loader, trainer)
         self._prepared_with[id(loader)] = plan
-        if wrapper is not None:
+        # A fit resumed inside an epoch that max_steps ended: its loop passes set_epoch one more than the epoch it
+        # runs, to the end of the fit (see _compat._restarted_epoch); its training loaders deal the epoch it runs.
+        self._deals_current_epoch = self._deals_current_epoch or (dealt is not None and dealt != epoch)
+        if wrapper is not None and self._deals_current_epoch:
             wrapper._loop_epoch_to_deal = _compat.TrainingEpochToDeal(trainer)
         # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
         if sampler is not None and epoch is not None and _compat.fit_trains_an_epoch(trainer):
@@ -1124,7 +1129,12 @@ class CustomDDP(DDPStrategy):
         if wrapper is None:
             return epoch, epoch, None
         resume = _compat.mid_epoch_resume(trainer)
-        dealt = resume[0] if resume is not None and epoch is not None else epoch
+        if epoch is None or resume is not None:
+            dealt = resume[0] if resume is not None else epoch  # the epoch whose batches were trained
+        elif self._deals_current_epoch:  # a later set-up in such a fit (reload_dataloaders_every_n_epochs)
+            dealt = _compat.TrainingEpochToDeal(trainer)(epoch)
+        else:
+            dealt = epoch
         if resume is None or not 0 < resume[1] or _compat.restores_loader_position(trainer, loader):
             return epoch, dealt, None
         return epoch, dealt, resume
@@ -1152,7 +1162,7 @@ class CustomDDP(DDPStrategy):
                 rank_zero_info(
                     f"{name}: resuming mid-epoch, {source} skips the {done} batch(es) of epoch {epoch} trained"
                     " before the checkpoint (so Lightning's warning that the dataloader is not resumable does not"
-                    " apply to it)."
+                    " apply to it, if it yields the sequence it yielded before: its own state is not checkpointed)."
                 )
             return _items_in(done, loader, wrapper)
         mode = _compat.training_loader_mode(trainer)

@@ -370,6 +370,8 @@ if __name__ == "__main__":
     # after a second resume from a checkpoint written inside the next epoch.
     reshuffled_checkpoint = fit_interrupted(out, "ended_reshuffled", reshuffled_loader, ENDED_BY_MAX_STEPS,
                                             at_epoch_end=True, max_epochs=3, max_steps=12)
+    fit(out, "ended_reshuffled_reloading", reshuffled_loader, ckpt_path=reshuffled_checkpoint, max_epochs=3,
+        max_steps=12, reload_dataloaders_every_n_epochs=1)  # each epoch's set-up deals what its loop runs
     fit(out, "ended_reshuffled_again", reshuffled_loader, ckpt_path=reshuffled_checkpoint, stop_at=RESHUFFLED_AGAIN,
         max_epochs=3)
     fit(out, "ended_reshuffled_again_resumed", reshuffled_loader, max_epochs=3, max_steps=12,
