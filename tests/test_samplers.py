@@ -7,6 +7,7 @@ import pickle
 import re
 import subprocess
 import sys
+import weakref
 from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -359,6 +360,24 @@ def test_the_users_inner_sampler_is_reached_through_the_relay_and_batch_size_is_
     for copied in (copy.copy(wrapper), copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
         copied.sampler.set_epoch(3)
         assert copied.epoch == 3 and wrapper.epoch == 0
+
+
+class _Resizable(DistributedBatchSamplerWrapper):
+    """A wrapper subclass that owns a batch_size: its own attribute is set, not refused."""
+
+    def __init__(self, source: Any) -> None:
+        super().__init__(source, 2, 0)
+        self.batch_size = 4
+
+
+def test_a_wrapper_subclass_sets_its_own_batch_size_and_the_relay_pickles_under_every_protocol() -> None:
+    wrapper = _Resizable(_HardNegatives(BatchSampler(SequentialSampler(range(8)), 2, False)))
+    wrapper.batch_size = 8
+    assert wrapper.batch_size == 8 and wrapper.source.batch_size == 2
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        restored = pickle.loads(pickle.dumps(wrapper, protocol=protocol))
+        assert restored.sampler._wrapper is restored, protocol
+    assert weakref.ref(wrapper.sampler)() is wrapper.sampler
 
 
 class _HardNegatives:
