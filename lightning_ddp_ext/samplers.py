@@ -23,7 +23,9 @@ import sys
 import warnings
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
-from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
+from typing import (
+    Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union,
+)
 
 import numpy as np
 import torch
@@ -253,13 +255,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         users = forwarded or name in self._NOT_FORWARDED
         if users and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
             forwarded = False  # the wrapper's own code, or a subclass's, sets its own attribute
-        elif (  # set on the wrapper, it would change nothing: unless the wrapper (a subclass) has it as its own
-            name in self._NOT_FORWARDED
-            and name not in self.__dict__
-            and not _attributes.found_on_class(type(self), name)
-            and self._not_forwarded(name)
+        elif name in self._NOT_FORWARDED and not (
+            name in self.__dict__ or _attributes.found_on_class(type(self), name)
         ):
-            raise AttributeError(f"cannot set {name!r} on {type(self).__name__}{self._not_forwarded(name)}.")
+            hint = self._not_forwarded(name)  # set on the wrapper, the user's batch_size (say) would not change
+            if hint:
+                raise AttributeError(f"cannot set {name!r} on {type(self).__name__}{hint}.")
         if forwarded:
             setattr(self.__dict__["source"], name, value)
         else:

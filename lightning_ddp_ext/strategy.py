@@ -1129,9 +1129,9 @@ class CustomDDP(DDPStrategy):
         if wrapper is None:
             return epoch, epoch, None
         resume = _compat.mid_epoch_resume(trainer)
-        if epoch is None or resume is not None:
-            dealt = resume[0] if resume is not None else epoch  # the epoch whose batches were trained
-        elif self._deals_current_epoch:  # a later set-up in such a fit (reload_dataloaders_every_n_epochs)
+        if resume is not None:
+            dealt: Optional[int] = resume[0]  # the epoch whose batches were trained
+        elif epoch is not None and self._deals_current_epoch:  # a later set-up (reload_dataloaders_every_n_epochs)
             dealt = _compat.TrainingEpochToDeal(trainer)(epoch)
         else:
             dealt = epoch
