@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.multiprocessing import ProcessRaisedException
@@ -131,6 +132,19 @@ def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
     """The loaders the running ``stage`` iterates now, as processed by the strategy, flattened in loader order."""
     combined = _running_loop(trainer, stage)._combined_loader
     return [] if combined is None else list(combined.flattened)
+
+
+def training_batches_taken(trainer: "pl.Trainer") -> Optional[List[float]]:
+    """How many batches the fit loop takes from each of its training loaders this epoch (in :func:`current_loaders`
+    order): their lengths and ``limit_train_batches`` as it read them when it set them up; None before."""
+    combined = trainer.fit_loop._combined_loader
+    limits = None if combined is None else getattr(combined, "limits", None)
+    return None if limits is None else [float(limit) for limit in limits]
+
+
+def training_batches_to_take(trainer: "pl.Trainer", length: int) -> float:
+    """How many batches the fit loop would take from a training loader of ``length`` if it set it up now."""
+    return float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
 
 
 class EvaluationCounts(NamedTuple):
@@ -442,7 +456,7 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     the count returned is then the batches they count as completed.
     """
     restarted = _restarted_epoch(trainer, _restored_progress(trainer))
-    if restarted is None or _last_batch_done(restarted[2]):
+    if restarted is None or _goes_on_with_the_next_epoch(trainer, restarted[2]):
         return None
     progress = restarted[2].current
     # Lightning runs the epoch's batches it does not count as done. Loops with restart stages count the batch
@@ -506,6 +520,41 @@ def _last_batch_done(batches: Any) -> bool:
     return bool(batches.is_last_batch) and progress.processed == progress.started == progress.ready
 
 
+def close_epoch_restored_after_its_last_batch(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
+    """Have the training epoch loop start the coming epoch from its first batch when the checkpoint was written
+    after the step of an epoch's last batch and the coming epoch has more batches; return ``(batches of the
+    restored epoch, batches of the coming one)`` then, else None. Call after the fit loop's reset.
+
+    From such a checkpoint the fit loop goes on with the next epoch (it reads ``is_last_batch``), for which the
+    training loaders were set up (see :func:`epoch_for_samplers`), while loops with restart stages keep the
+    epoch loop's position unless its completed count reaches the number of batches, read from the coming
+    epoch: when that epoch is longer (a curriculum growing through ``set_epoch``), the epoch loop would go on at
+    the restored position, train the coming epoch's first batches up to its length and end it there."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    batches = trainer.num_training_batches
+    if not getattr(epoch_loop, "restarted_on_train_batch_end", False) or batches == float("inf"):
+        return None
+    if not _last_batch_done(epoch_loop.batch_progress):
+        return None
+    progress = epoch_loop.batch_progress.current
+    restored = int(progress.completed) + 1  # the epoch loop counts the batch whose on_train_batch_end wrote it
+    if restored >= batches:
+        return None
+    progress.completed = int(batches) - 1  # what the epoch loop's own "epoch at its end" branch then sees
+    return restored, int(batches)
+
+
+def _goes_on_with_the_next_epoch(trainer: "pl.Trainer", batches: Any) -> bool:
+    """Whether Lightning goes on with the next epoch from the restored batch progress of a started epoch: from a
+    checkpoint written after the step of the epoch's last batch, except on loops without restart stages (2.2)
+    when it was written in that batch's ``on_train_batch_end``: they run that batch again first."""
+    if not _last_batch_done(batches):
+        return False
+    progress = batches.current
+    reruns_it = progress.completed == progress.processed - 1
+    return not reruns_it or hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end")
+
+
 class TrainingEpochToDeal:
     """The epoch a training loader deals when Lightning's fit loop calls ``set_epoch(epoch)`` (see
     :func:`_restarted_epoch`): the loop's number, but one less while the fit loop's processed epochs run one
@@ -530,11 +579,12 @@ class TrainingEpochToDeal:
 
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
-    next one after a checkpoint written at an epoch's last batch."""
+    next one after a checkpoint written after the step of an epoch's last batch (see
+    :func:`_goes_on_with_the_next_epoch`)."""
     restored = _restored_progress(trainer)
     restarted = _restarted_epoch(trainer, restored)
     if restarted is not None:
-        return restarted[0] + (1 if _last_batch_done(restarted[2]) else 0)
+        return restarted[0] + (1 if _goes_on_with_the_next_epoch(trainer, restarted[2]) else 0)
     epochs: Any = (restored[0] if restored is not None else trainer.fit_loop.epoch_progress).current
     return int(epochs.processed)
 

@@ -378,14 +378,16 @@ class CustomDDP(DDPStrategy):
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
         self._watched: Dict[str, List[_Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
+        self._warned_grown = False  # see _warn_training_loaders_grown
         #: Whether the checkpoint a fit resumes has restored the loops, and whether a training loader was set up
         #: before that (see `load_optimizer_state_dict`); whether the fit loop said it restarts when the run began
         #: (a leftover of an earlier fit on the same Trainer: loops are restored later).
         self._restored = self._trained_loader_set_up_before_restore = self._restarting_left_over = False
         #: What `_prepare_first_epoch` set up each training loader for, by id (the fit loop keeps them alive).
         self._prepared_with: Dict[int, _Plan] = {}
-        # The epoch _prepare_first_epoch gave a user's sampler in this fit, by id(sampler): (the sampler, epoch).
-        self._epochs_given: Dict[int, Tuple[object, int]] = {}
+        # The epoch _prepare_first_epoch gave a user's sampler in this fit, by id(sampler): (the sampler, epoch,
+        # the wrapper that gave it). Dropped when the fit ends.
+        self._epochs_given: Dict[int, Tuple[object, int, _Wrapper]] = {}
         self._deals_current_epoch = False  # see _prepare_first_epoch
         #: The number of ranks that wrote the checkpoint last loaded (None: not recorded, see `save_checkpoint`).
         self._checkpoint_world_size: Optional[int] = None
@@ -509,6 +511,7 @@ class CustomDDP(DDPStrategy):
         self._evaluating = False
         self._watched = {}
         self._verified_train_epoch = None
+        self._warned_grown = False
         self._broadcast_loader_seed()
         with _compat.configure_ddp_called_without_arguments(self, self._wrap_lightning_model):
             super().setup(trainer)
@@ -878,6 +881,7 @@ class CustomDDP(DDPStrategy):
         ):
             self.model = self.lightning_module  # unwrap custom wrappers too, not only torch's DDP
         self._wrapped_parameters, self._wrapped_requires_grad = [], []
+        self._epochs_given = {}  # holds user samplers
         self._drop_pending_skips()
         super().teardown()
 
@@ -1106,10 +1110,15 @@ class CustomDDP(DDPStrategy):
                 if sampler.epoch != dealt or dealt != epoch:  # Lightning's loop sets it again: not forwarded twice
                     # Nor twice by two set-ups of the fit's first epoch (with reload_dataloaders_every_n_epochs, the
                     # fit loop sets its loaders up again as a resumed epoch starts), each wrapping the user's object.
+                    # Unless the loop has called set_epoch since (on the wrapper that gave it), which may have
+                    # given the user's object another epoch in between.
                     given = self._epochs_given.get(id(sampler.source))
-                    forwarded = given is not None and given[0] is sampler.source and given[1] == dealt
+                    forwarded = (
+                        given is not None and given[0] is sampler.source and given[1] == dealt
+                        and given[2]._epoch_set_ahead is not None
+                    )
                     sampler._set_epoch_ahead_of_loop(epoch, dealt_as=dealt, forwarded=forwarded)
-                    self._epochs_given[id(sampler.source)] = (sampler.source, epoch if dealt is None else dealt)
+                    self._epochs_given[id(sampler.source)] = (sampler.source, epoch if dealt is None else dealt, sampler)
             elif sampler.epoch != epoch:
                 sampler.set_epoch(epoch)
         if wrapper is None:
@@ -1242,10 +1251,35 @@ class CustomDDP(DDPStrategy):
         # Once per epoch, at its first step and so before its first optimizer step: the sequence every rank
         # read so far (the head of this epoch, the whole previous epoch) must agree.
         trainer = self._attached_trainer
-        if self.check_sampler_consistency and trainer is not None and trainer.current_epoch != self._verified_train_epoch:
+        if trainer is not None and trainer.current_epoch != self._verified_train_epoch:
             self._verified_train_epoch = trainer.current_epoch
-            self._verify(RunningStage.TRAINING)
+            self._warn_training_loaders_grown(trainer)
+            if self.check_sampler_consistency:
+                self._verify(RunningStage.TRAINING)
         return super().training_step(*args, **kwargs)
+
+    def _warn_training_loaders_grown(self, trainer: Trainer) -> None:
+        """Warn when a dealt training loader has more batches this epoch than Lightning read when it set it up:
+        it takes only those (their number is fixed until it sets its loaders up again), so the rest of the epoch
+        would not be trained, silently. A sampler whose length follows ``set_epoch`` (a curriculum) does this
+        without ``reload_dataloaders_every_n_epochs=1``."""
+        taken, loaders = _compat.training_batches_taken(trainer), _compat.current_loaders(trainer, RunningStage.TRAINING)
+        if taken is None or len(taken) != len(loaders) or getattr(trainer, "overfit_batches", 0) > 0:
+            return
+        for loader, took in zip(loaders, taken):
+            wrapper = _wrapper_of(loader)
+            if wrapper is None or not isinstance(loader, DataLoader):
+                continue
+            now = _compat.training_batches_to_take(trainer, len(loader))
+            if now > took and not self._warned_grown:
+                self._warned_grown = True  # once a fit: the next epochs would say it again
+                rank_zero_warn(
+                    f"{type(self).__name__}: the training loader over your {wrapper._source_name} has {len(loader)}"
+                    f" batches per rank in epoch {trainer.current_epoch}, but Lightning read its length when it set"
+                    f" it up and takes {int(took)}: the rest of this epoch is not trained. A sampler whose length"
+                    " changes with the epoch needs Trainer(reload_dataloaders_every_n_epochs=1), so that Lightning"
+                    " reads it again for every epoch."
+                )
 
     @override
     def save_checkpoint(
@@ -1334,6 +1368,12 @@ class CustomDDP(DDPStrategy):
             and trainer.ckpt_path is not None and trainer.fit_loop.restarting
         ):
             self._warn_training_loaders_not_prepared("load_optimizer_state_dict was not called after the restore")
+        closed = _compat.close_epoch_restored_after_its_last_batch(trainer) if trainer is not None else None
+        if closed is not None:
+            rank_zero_info(
+                f"{type(self).__name__}: the checkpoint was written after the last of its epoch's {closed[0]} batches;"
+                f" the next epoch has {closed[1]} and is trained from its first."
+            )
 
     @override
     def on_train_end(self) -> None:

@@ -286,7 +286,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
             "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
-            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_stale", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
@@ -307,6 +307,7 @@ EDGE_CASES = [
     ("ended_by_max_steps", "resumed", ["only"]),
     ("ended_reshuffled", "resumed", ["only"]),
     ("ended_reshuffled", "reloading", ["only"]),
+    ("grown", "resumed", ["only"]),
     ("stateful", "resumed", ["only"]),
     ("sized", "resumed", ["a", "b", "c"]),
     ("user_dealt", "resumed", ["only"]),
@@ -341,8 +342,10 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
     position (Lightning loads its state, also when set up in the setup hook), so the sampler must not skip its
     batches again. max_steps ending a fit inside an epoch still runs the epoch-end hooks, where ModelCheckpoint
     writes a checkpoint that is processed but not completed: resumed with max_steps, Lightning goes on with the
-    rest of that epoch, in which the sampler's first batches must not be trained again."""
-    if run in ("limited", "user_sharded", "user_sharded_batched", "stateful_mixed") and not hasattr(
+    rest of that epoch, in which the sampler's first batches must not be trained again. A checkpoint at the last
+    batch of an epoch followed by a longer one (a curriculum growing through set_epoch) resumes with that epoch,
+    trained whole (Lightning alone would go on from the restored position, training only its first batches)."""
+    if run in ("user_sharded", "user_sharded_batched", "stateful_mixed") and not hasattr(
         _TrainingEpochLoop, "restarted_on_train_batch_end"
     ):
         pytest.skip(
@@ -370,12 +373,34 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "early": f"skips the {USER_DEALT_DONE - rerun} batch(es) of epoch 1 trained before the checkpoint",
         "ended_by_max_steps": "skips the 3 batch(es) of epoch 0",  # which Lightning 2.6 calls epoch 1 in set_epoch
         "ended_reshuffled": "skips the 3 batch(es) of epoch 0",
+        # Lightning 2.2 runs the restored epoch's last batch again: the sampler deals it, after the 3 before it.
+        "grown": "the next epoch has 6 and is trained from its first" if not rerun else "skips the 3 batch(es) of epoch 1",
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
         assert any(said in line for line in info), info
     if run in ("estimating", "early"):  # the iterator is made once after the restore, or not again: one skip
         assert sum(said in line for line in info) == 1, info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warning_naming_the_fix(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Lightning reads a training loader's length when it sets it up: a curriculum whose epochs grow through
+    set_epoch trains each epoch's first batches only (2 of 2, 4 and 6 per rank), unless the loaders are set up
+    again every epoch. CustomDDP says so, once, with the numbers; with reloading it says nothing."""
+    stale = resume_edge_runs["grown_stale"]
+    for rank in range(WORLD):
+        per_epoch = [epoch for epoch, _ in stale[rank]["seen"]["train/only"]]
+        assert per_epoch == [0, 0, 1, 1, 2, 2], per_epoch  # Lightning's behaviour, which the warning names
+        reloaded = [epoch for epoch, _ in resume_edge_runs["grown"][rank]["seen"]["train/only"]]
+        assert reloaded == [0] * 2 + [1] * 4 + [2] * 6, reloaded
+    said = [w for w in stale[0]["facts"]["warnings"] if "Lightning read its length when it set it up" in w]
+    assert len(said) == 1, stale[0]["facts"]["warnings"]
+    assert "Growing has 4 batches per rank in epoch 1" in said[0] and "takes 2" in said[0], said
+    assert "reload_dataloaders_every_n_epochs=1" in said[0], said
+    assert not any("Lightning read its length" in w for w in resume_edge_runs["grown"][0]["facts"]["warnings"])
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

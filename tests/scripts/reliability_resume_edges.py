@@ -10,6 +10,10 @@ Usage: python reliability_resume_edges.py OUT_DIR
   ``b`` and ``c`` (an index sampler) with 2 (restarted when they run out), one epoch; ``cycled_first`` stops
   after step 3 (``b`` and ``c`` one batch into their second pass) with a checkpoint; ``cycled_resumed``
   finishes the epoch from it.
+* ``grown``: a curriculum batch sampler whose epochs grow through ``set_epoch`` (2, 4 and 6 batches per rank),
+  with ``reload_dataloaders_every_n_epochs=1``, 3 epochs; ``grown_first`` stops after step 6 (epoch 1's last
+  batch) with a checkpoint there; ``grown_resumed`` goes on from it, with the next epoch (longer than the
+  restored one). ``grown_stale`` fits it for 3 epochs without ``reload_dataloaders_every_n_epochs``.
 * ``sized``: the same three loaders in a CombinedLoader of mode "max_size", where ``b`` and ``c`` yield
   nothing once they ran out; ``sized_first`` stops after step 3 (they ran out one step before) with a
   checkpoint; ``sized_resumed`` finishes the epoch from it.
@@ -81,6 +85,7 @@ from lightning_ddp_ext.samplers import DistributedSamplerWrapper
 LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at its last
 CYCLED_STOP = 3
 ENDED_BY_MAX_STEPS = 3  # of the 6 batches a rank of the first epoch
+GROWN_STOP = 6  # the last batch of epoch 1 (2 + 4 batches per rank)
 RESHUFFLED_AGAIN = 8  # after the rest of the first epoch, 2 batches into the second
 USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
 USER_SHARDED_STOP = 6  # the end of epoch 0
@@ -139,6 +144,31 @@ class Reshuffled(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return self.size
+
+
+class Growing:
+    """A curriculum: epoch ``e`` draws the first ``16 * (e + 1)`` items (at most 48), shuffled by ``e``, in
+    batches of 4; its length follows the epoch set."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _items(self) -> int:
+        return min(48, 16 * (self.epoch + 1))
+
+    def __len__(self) -> int:
+        return self._items() // 4
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = torch.randperm(self._items(), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return iter([order[k:k + 4] for k in range(0, len(order), 4)])
+
+
+def growing_loader() -> Any:
+    return DataLoader(IndexDataset(48), batch_sampler=Growing())
 
 
 def reshuffled_loader() -> Any:
@@ -376,6 +406,8 @@ if __name__ == "__main__":
         max_epochs=3)
     fit(out, "ended_reshuffled_again_resumed", reshuffled_loader, max_epochs=3, max_steps=12,
         ckpt_path=checkpoints / f"ended_reshuffled_again-step={RESHUFFLED_AGAIN}.ckpt")
+    fit_interrupted(out, "grown", growing_loader, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    fit(out, "grown_stale", growing_loader, max_epochs=3)  # Lightning reads its length once
     fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
     fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
     fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
