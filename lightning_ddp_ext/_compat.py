@@ -142,9 +142,13 @@ def training_batches_taken(trainer: "pl.Trainer") -> Optional[List[float]]:
     return None if limits is None else [float(limit) for limit in limits]
 
 
-def training_batches_to_take(trainer: "pl.Trainer", length: int) -> float:
-    """How many batches the fit loop would take from a training loader of ``length`` if it set it up now."""
-    return float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
+def training_batches_to_take(trainer: "pl.Trainer", length: int) -> Optional[float]:
+    """How many batches the fit loop would take from a training loader of ``length`` if it set it up now; None
+    where it would refuse that length (a fraction of it that is less than one batch)."""
+    try:
+        return float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
+    except MisconfigurationException:
+        return None
 
 
 class EvaluationCounts(NamedTuple):

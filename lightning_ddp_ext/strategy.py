@@ -1263,23 +1263,27 @@ class CustomDDP(DDPStrategy):
         it takes only those (their number is fixed until it sets its loaders up again), so the rest of the epoch
         would not be trained, silently. A sampler whose length follows ``set_epoch`` (a curriculum) does this
         without ``reload_dataloaders_every_n_epochs=1``."""
+        if self._warned_grown or getattr(trainer, "overfit_batches", 0) > 0:  # once a fit: each epoch would say it
+            return
         taken, loaders = _compat.training_batches_taken(trainer), _compat.current_loaders(trainer, RunningStage.TRAINING)
-        if taken is None or len(taken) != len(loaders) or getattr(trainer, "overfit_batches", 0) > 0:
+        if taken is None or len(taken) != len(loaders):
             return
         for loader, took in zip(loaders, taken):
             wrapper = _wrapper_of(loader)
             if wrapper is None or not isinstance(loader, DataLoader):
                 continue
-            now = _compat.training_batches_to_take(trainer, len(loader))
-            if now > took and not self._warned_grown:
-                self._warned_grown = True  # once a fit: the next epochs would say it again
+            length = len(loader)
+            now = _compat.training_batches_to_take(trainer, length)
+            if now is not None and now > took:
+                self._warned_grown = True
                 rank_zero_warn(
-                    f"{type(self).__name__}: the training loader over your {wrapper._source_name} has {len(loader)}"
+                    f"{type(self).__name__}: the training loader over your {wrapper._source_name} has {length}"
                     f" batches per rank in epoch {trainer.current_epoch}, but Lightning read its length when it set"
                     f" it up and takes {int(took)}: the rest of this epoch is not trained. A sampler whose length"
                     " changes with the epoch needs Trainer(reload_dataloaders_every_n_epochs=1), so that Lightning"
                     " reads it again for every epoch."
                 )
+                return
 
     @override
     def save_checkpoint(
