@@ -15,7 +15,7 @@ import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, cast
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -526,37 +526,49 @@ def _last_batch_done(batches: Any) -> bool:
 
 def close_epoch_restored_after_its_last_batch(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     """Have the training epoch loop start the coming epoch from its first batch when the checkpoint was written
-    after the step of an epoch's last batch and the coming epoch has more batches; return ``(batches of the
-    restored epoch, batches of the coming one)`` then, else None. Call after the fit loop's reset.
+    in the ``on_train_batch_end`` of an epoch's last batch (see :func:`_goes_on_with_the_next_epoch`); call
+    after the fit loop's reset. Returns ``(batches of the restored epoch, batches known for the coming one)``
+    when the coming one is known to be longer (where Lightning alone would have gone wrong), else None.
 
-    From such a checkpoint the fit loop goes on with the next epoch (it reads ``is_last_batch``), for which the
-    training loaders were set up (see :func:`epoch_for_samplers`), while loops with restart stages keep the
-    epoch loop's position unless its completed count reaches the number of batches, read from the coming
-    epoch: when that epoch is longer (a curriculum growing through ``set_epoch``), the epoch loop would go on at
-    the restored position, train the coming epoch's first batches up to its length and end it there."""
-    epoch_loop = trainer.fit_loop.epoch_loop
+    From such a checkpoint the fit loop goes on with the next epoch, for which the training loaders are set up,
+    while loops with restart stages reset the epoch loop's position only if its completed count reaches the
+    number of batches, read from the coming epoch: when that epoch is longer (a curriculum growing through
+    ``set_epoch``, or a ``train_dataloader`` hook that reads ``trainer.current_epoch`` when the loaders are
+    set up again), the epoch loop kept the restored position, trained the coming epoch's first batches up to
+    its length and ended it there. This does what the epoch loop does for an epoch of the same length, before
+    a reload can change the length."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
     batches = trainer.num_training_batches
     if not getattr(epoch_loop, "restarted_on_train_batch_end", False) or batches == float("inf"):
         return None
     if not _last_batch_done(epoch_loop.batch_progress):
         return None
-    progress = epoch_loop.batch_progress.current
-    restored = int(progress.completed) + 1  # the epoch loop counts the batch whose on_train_batch_end wrote it
-    if restored >= batches:
+    max_epochs, epochs = fit_loop.max_epochs, cast(Any, fit_loop.epoch_progress.current)  # a _ProcessedTracker
+    if max_epochs is not None and 0 <= max_epochs <= epochs.processed:
+        return None  # no epoch follows: the restored progress stays as it is
+    if 0 <= fit_loop.max_steps <= trainer.global_step:
         return None
-    progress.completed = int(batches) - 1  # what the epoch loop's own "epoch at its end" branch then sees
-    return restored, int(batches)
+    restored = int(epoch_loop.batch_progress.current.completed) + 1  # counting the batch whose hook wrote it
+    epoch_loop.batch_progress.increment_completed()
+    epoch_loop.batch_progress.reset_on_run()
+    epoch_loop.scheduler_progress.reset_on_run()
+    epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+    epoch_loop.val_loop.batch_progress.total.reset()
+    epoch_loop.reset_restart_stage()  # done: its reset must not count the restored batch again
+    return (restored, int(batches)) if restored < batches else None
 
 
 def _goes_on_with_the_next_epoch(trainer: "pl.Trainer", batches: Any) -> bool:
     """Whether Lightning goes on with the next epoch from the restored batch progress of a started epoch: from a
-    checkpoint written after the step of the epoch's last batch, except on loops without restart stages (2.2)
-    when it was written in that batch's ``on_train_batch_end``: they run that batch again first."""
+    checkpoint written in the ``on_train_batch_end`` of the epoch's last batch, on loops with restart stages.
+    Loops without them (2.2) run that batch again first. From a checkpoint written after that hook (in the
+    validation at the epoch's end), every version finishes the restored epoch first, with no batch left."""
     if not _last_batch_done(batches):
         return False
     progress = batches.current
-    reruns_it = progress.completed == progress.processed - 1
-    return not reruns_it or hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end")
+    written_in_the_batch_hook = progress.completed == progress.processed - 1
+    return written_in_the_batch_hook and hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end")
 
 
 class TrainingEpochToDeal:

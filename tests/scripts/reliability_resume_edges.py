@@ -14,6 +14,10 @@ Usage: python reliability_resume_edges.py OUT_DIR
   with ``reload_dataloaders_every_n_epochs=1``, 3 epochs; ``grown_first`` stops after step 6 (epoch 1's last
   batch) with a checkpoint there; ``grown_resumed`` goes on from it, with the next epoch (longer than the
   restored one). ``grown_stale`` fits it for 3 epochs without ``reload_dataloaders_every_n_epochs``.
+  ``grown_validated`` (and its ``_first`` and ``_resumed``) likewise, validated twice an epoch, with the checkpoint
+  written by ``ModelCheckpoint(monitor=...)`` after the validation at epoch 1's end (Lightning finishes that epoch,
+  with nothing left, when it resumes). ``grown_hooked`` likewise (checkpoint in the batch's hook), with a
+  ``train_dataloader`` hook that sizes a batch sampler without ``set_epoch`` by ``trainer.current_epoch``.
 * ``sized``: the same three loaders in a CombinedLoader of mode "max_size", where ``b`` and ``c`` yield
   nothing once they ran out; ``sized_first`` stops after step 3 (they ran out one step before) with a
   checkpoint; ``sized_resumed`` finishes the epoch from it.
@@ -95,15 +99,17 @@ STATEFUL_STOP = 2
 
 def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at: int = -1,
         model_class: Any = WeightRecorder, strategy_class: Any = CustomDDP, at_epoch_end: bool = False,
-        **options: Any) -> None:
-    """One fit; ``stop_at`` ends it after that step with a checkpoint written there, or with ``at_epoch_end`` at the
-    end of the epoch that max_steps cut short (ModelCheckpoint's default)."""
+        in_validation: bool = False, **options: Any) -> None:
+    """One fit; ``stop_at`` ends it after that step with a checkpoint written there, with ``at_epoch_end`` at the
+    end of the epoch that max_steps cut short (ModelCheckpoint's default), with ``in_validation`` after the
+    validation at that step (a ``LogsValidation`` model's monitored value)."""
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
     callbacks: List[Any] = []
     if stop_at > 0:
         options["max_steps"] = stop_at
         every_n = {} if at_epoch_end else {"every_n_train_steps": stop_at}
+        every_n = {"monitor": "step_seen", "mode": "max"} if in_validation else every_n
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", filename=f"{run}-{{step}}", **every_n))
     pl.seed_everything(7)
     model = model_class(str(run_dir))
@@ -115,12 +121,14 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
 
 
 def fit_interrupted(
-    out_dir: Path, run: str, loaders: Any, stop_at: int, at_epoch_end: bool = False, **options: Any
+    out_dir: Path, run: str, loaders: Any, stop_at: int, at_epoch_end: bool = False, in_validation: bool = False,
+    **options: Any
 ) -> Path:
     """``run`` uninterrupted, ``<run>_first`` stopping after step ``stop_at`` with a checkpoint (see :func:`fit`),
     and ``<run>_resumed`` from it; the checkpoint, for other resumes."""
     fit(out_dir, run, loaders, **options)
-    fit(out_dir, f"{run}_first", loaders, stop_at=stop_at, at_epoch_end=at_epoch_end, **options)
+    fit(out_dir, f"{run}_first", loaders, stop_at=stop_at, at_epoch_end=at_epoch_end, in_validation=in_validation,
+        **options)
     checkpoint = out_dir / "checkpoints" / f"{run}_first-step={stop_at}.ckpt"
     fit(out_dir, f"{run}_resumed", loaders, ckpt_path=checkpoint, **options)
     return checkpoint
@@ -169,6 +177,34 @@ class Growing:
 
 def growing_loader() -> Any:
     return DataLoader(IndexDataset(48), batch_sampler=Growing())
+
+
+class GrownValidated(pl.LightningDataModule):
+    """The growing loader, with a validation loader."""
+
+    def train_dataloader(self) -> Any:
+        return growing_loader()
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(IndexDataset(8), batch_size=4)
+
+
+class GrownByHook(pl.LightningDataModule):
+    """A curriculum the ``train_dataloader`` hook sizes by ``trainer.current_epoch``, as ``Growing`` for that epoch,
+    over a batch sampler that has no ``set_epoch`` (the loaders are set up again for every epoch)."""
+
+    def train_dataloader(self) -> Any:
+        fixed = Growing()
+        fixed.epoch = self.trainer.current_epoch
+        return DataLoader(IndexDataset(48), batch_sampler=list(fixed))
+
+
+class LogsValidation(WeightRecorder):
+    """Logs the global step in validation, for ``ModelCheckpoint(monitor="step_seen")``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.log("step_seen", float(self.global_step), sync_dist=True)
 
 
 def reshuffled_loader() -> Any:
@@ -408,6 +444,9 @@ if __name__ == "__main__":
         ckpt_path=checkpoints / f"ended_reshuffled_again-step={RESHUFFLED_AGAIN}.ckpt")
     fit_interrupted(out, "grown", growing_loader, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
     fit(out, "grown_stale", growing_loader, max_epochs=3)  # Lightning reads its length once
+    fit_interrupted(out, "grown_validated", GrownValidated, GROWN_STOP, in_validation=True, max_epochs=3,
+                    reload_dataloaders_every_n_epochs=1, val_check_interval=0.5, model_class=LogsValidation)
+    fit_interrupted(out, "grown_hooked", GrownByHook, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
     fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
     fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
     fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
