@@ -134,21 +134,25 @@ def current_loaders(trainer: "pl.Trainer", stage: RunningStage) -> List[object]:
     return [] if combined is None else list(combined.flattened)
 
 
-def training_batches_taken(trainer: "pl.Trainer") -> Optional[List[float]]:
-    """How many batches the fit loop takes from each of its training loaders this epoch (in :func:`current_loaders`
-    order): their lengths and ``limit_train_batches`` as it read them when it set them up; None before."""
+def training_batches_read(trainer: "pl.Trainer") -> Optional[List[float]]:
+    """How many batches of each training loader (in :func:`current_loaders` order) the fit loop counted when it
+    set them up (their lengths under ``limit_train_batches``); None before."""
     combined = trainer.fit_loop._combined_loader
     limits = None if combined is None else getattr(combined, "limits", None)
     return None if limits is None else [float(limit) for limit in limits]
 
 
-def training_batches_to_take(trainer: "pl.Trainer", length: int) -> Optional[float]:
-    """How many batches the fit loop would take from a training loader of ``length`` if it set it up now; None
-    where it would refuse that length (a fraction of it that is less than one batch)."""
+def training_batches_to_take(trainer: "pl.Trainer", lengths: List[float]) -> Optional[float]:
+    """How many batches the fit loop would take in an epoch from training loaders of ``lengths`` (in
+    :func:`current_loaders` order) if it set them up now: the longest one's under ``limit_train_batches``, or the
+    shortest one's in mode "min_size"; None where it would refuse a length (a fraction of less than one batch)."""
     try:
-        return float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches))
+        taken = [float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)) for length in lengths]
     except MisconfigurationException:
         return None
+    if not taken:
+        return None
+    return min(taken) if training_loader_mode(trainer) == "min_size" else max(taken)
 
 
 class EvaluationCounts(NamedTuple):

@@ -1259,31 +1259,41 @@ class CustomDDP(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     def _warn_training_loaders_grown(self, trainer: Trainer) -> None:
-        """Warn when a dealt training loader has more batches this epoch than Lightning read when it set it up:
-        it takes only those (their number is fixed until it sets its loaders up again), so the rest of the epoch
-        would not be trained, silently. A sampler whose length follows ``set_epoch`` (a curriculum) does this
-        without ``reload_dataloaders_every_n_epochs=1``."""
+        """Warn when the dealt training loaders hold more batches this epoch than Lightning takes: it counts an
+        epoch's batches when it sets the loaders up (until it sets them up again), so the rest of a loader that
+        grew after that would not be trained, silently. A sampler whose length follows ``set_epoch`` (a
+        curriculum) does it without ``reload_dataloaders_every_n_epochs=1``; a change made in
+        ``on_train_epoch_start`` with it too (Lightning read the length before)."""
         if self._warned_grown or getattr(trainer, "overfit_batches", 0) > 0:  # once a fit: each epoch would say it
             return
-        taken, loaders = _compat.training_batches_taken(trainer), _compat.current_loaders(trainer, RunningStage.TRAINING)
-        if taken is None or len(taken) != len(loaders):
+        read, loaders = _compat.training_batches_read(trainer), _compat.current_loaders(trainer, RunningStage.TRAINING)
+        dataloaders = [loader for loader in loaders if isinstance(loader, DataLoader)]
+        if read is None or len(read) != len(loaders) or len(dataloaders) != len(loaders):
+            return  # another kind of loader may have no length, and has no wrapper of ours
+        lengths = [float(len(loader)) for loader in dataloaders]
+        now = _compat.training_batches_to_take(trainer, lengths)
+        if now is None or now <= trainer.num_training_batches:
             return
-        for loader, took in zip(loaders, taken):
-            wrapper = _wrapper_of(loader)
-            if wrapper is None or not isinstance(loader, DataLoader):
-                continue
-            length = len(loader)
-            now = _compat.training_batches_to_take(trainer, length)
-            if now is not None and now > took:
-                self._warned_grown = True
-                rank_zero_warn(
-                    f"{type(self).__name__}: the training loader over your {wrapper._source_name} has {length}"
-                    f" batches per rank in epoch {trainer.current_epoch}, but Lightning read its length when it set"
-                    f" it up and takes {int(took)}: the rest of this epoch is not trained. A sampler whose length"
-                    " changes with the epoch needs Trainer(reload_dataloaders_every_n_epochs=1), so that Lightning"
-                    " reads it again for every epoch."
-                )
-                return
+        grown = [
+            (wrapper, int(length)) for loader, length, before in zip(dataloaders, lengths, read)
+            if (wrapper := _wrapper_of(loader)) is not None and length > before
+        ]
+        if not grown:
+            return
+        self._warned_grown = True
+        wrapper, length = grown[0]
+        reloads_every_epoch = getattr(trainer, "reload_dataloaders_every_n_epochs", 0) == 1
+        how = (
+            "Lightning read its length before (in on_train_epoch_start, say): change it in your sampler's set_epoch,"
+            " or in on_train_epoch_end for the next epoch." if reloads_every_epoch else
+            "A sampler whose length changes with the epoch needs Trainer(reload_dataloaders_every_n_epochs=1), so"
+            " that Lightning reads it again for every epoch."
+        )
+        rank_zero_warn(
+            f"{type(self).__name__}: the training loader over your {wrapper._source_name} has {length} batches per"
+            f" rank in epoch {trainer.current_epoch}, but Lightning counted the epoch's batches when it set the"
+            f" loaders up and takes {int(trainer.num_training_batches)}: the rest of this epoch is not trained. {how}"
+        )
 
     @override
     def save_checkpoint(

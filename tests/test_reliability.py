@@ -287,7 +287,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
             "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
             "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_stale", "grown_validated", "grown_validated_first",
-            "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
@@ -390,20 +390,32 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
 def test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warning_naming_the_fix(
     resume_edge_runs: Dict[str, List[Dict[str, Any]]]
 ) -> None:
-    """Lightning reads a training loader's length when it sets it up: a curriculum whose epochs grow through
-    set_epoch trains each epoch's first batches only (2 of 2, 4 and 6 per rank), unless the loaders are set up
-    again every epoch. CustomDDP says so, once, with the numbers; with reloading it says nothing."""
-    stale = resume_edge_runs["grown_stale"]
+    """Lightning counts an epoch's batches when it sets the training loaders up: a curriculum whose epochs grow
+    through set_epoch trains each epoch's first batches only (2 of 2, 4 and 6 per rank), unless the loaders are
+    set up again every epoch. CustomDDP says so, once, with the numbers; with reloading it says nothing, nor when
+    the growing loader stays shorter than another one, which sets the epoch's length (all of it is trained).
+    Grown in on_train_epoch_start, after Lightning read the length, it loses batches even with reloading: the
+    warning then says where to make the change instead."""
+    def said(run: str) -> List[str]:
+        warnings = resume_edge_runs[run][0]["facts"]["warnings"]
+        return [w for w in warnings if "Lightning counted the epoch's batches when it set the loaders up" in w]
+
+    stale, late = resume_edge_runs["grown_stale"], resume_edge_runs["grown_late"]
     for rank in range(WORLD):
         per_epoch = [epoch for epoch, _ in stale[rank]["seen"]["train/only"]]
         assert per_epoch == [0, 0, 1, 1, 2, 2], per_epoch  # Lightning's behaviour, which the warning names
+        assert [epoch for epoch, _ in late[rank]["seen"]["train/only"]] == [0, 0, 1, 1, 2, 2, 2, 2]
         reloaded = [epoch for epoch, _ in resume_edge_runs["grown"][rank]["seen"]["train/only"]]
         assert reloaded == [0] * 2 + [1] * 4 + [2] * 6, reloaded
-    said = [w for w in stale[0]["facts"]["warnings"] if "Lightning read its length when it set it up" in w]
-    assert len(said) == 1, stale[0]["facts"]["warnings"]
-    assert "Growing has 4 batches per rank in epoch 1" in said[0] and "takes 2" in said[0], said
-    assert "reload_dataloaders_every_n_epochs=1" in said[0], said
-    assert not any("Lightning read its length" in w for w in resume_edge_runs["grown"][0]["facts"]["warnings"])
+        beside = resume_edge_runs["grown_beside"][rank]["seen"]["train/b"]  # cycled to a's 8 batches each epoch
+        distinct = [len({tuple(batch) for epoch, batch in beside if epoch == e}) for e in range(3)]
+        assert distinct == [2, 4, 6], distinct  # all of b every epoch
+    (stale_said,), (late_said,) = said("grown_stale"), said("grown_late")
+    assert "Growing has 4 batches per rank in epoch 1" in stale_said and "takes 2" in stale_said, stale_said
+    assert "reload_dataloaders_every_n_epochs=1" in stale_said, stale_said
+    assert "GrowsWhenTold has 4 batches per rank in epoch 1" in late_said and "takes 2" in late_said, late_said
+    assert "in on_train_epoch_start" in late_said and "set_epoch" in late_said, late_said
+    assert not said("grown") and not said("grown_beside")
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -18,6 +18,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   written by ``ModelCheckpoint(monitor=...)`` after the validation at epoch 1's end (Lightning finishes that epoch,
   with nothing left, when it resumes). ``grown_hooked`` likewise (checkpoint in the batch's hook), with a
   ``train_dataloader`` hook that sizes a batch sampler without ``set_epoch`` by ``trainer.current_epoch``.
+  ``grown_beside``: the growing loader ``b`` beside a loader ``a`` of 8 batches per rank, no reloading, 3 epochs.
+  ``grown_late``: with reloading, a callback raises the sampler's level in ``on_train_epoch_start``.
 * ``sized``: the same three loaders in a CombinedLoader of mode "max_size", where ``b`` and ``c`` yield
   nothing once they ran out; ``sized_first`` stops after step 3 (they ran out one step before) with a
   checkpoint; ``sized_resumed`` finishes the epoch from it.
@@ -105,7 +107,7 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
     validation at that step (a ``LogsValidation`` model's monitored value)."""
     run_dir = out_dir / run
     run_dir.mkdir(exist_ok=True)
-    callbacks: List[Any] = []
+    callbacks: List[Any] = list(options.pop("callbacks", []))
     if stop_at > 0:
         options["max_steps"] = stop_at
         every_n = {} if at_epoch_end else {"every_n_train_steps": stop_at}
@@ -115,7 +117,7 @@ def fit(out_dir: Path, run: str, loaders: Any, ckpt_path: object = None, stop_at
     model = model_class(str(run_dir))
     trainer = pl.Trainer(
         strategy=strategy("popen", strategy_class=strategy_class),
-        **trainer_kwargs(enable_checkpointing=bool(callbacks), callbacks=callbacks, **options),
+        **trainer_kwargs(enable_checkpointing=stop_at > 0, callbacks=callbacks, **options),
     )
     run_guarded(str(run_dir), lambda: trainer.global_rank, lambda: trainer.fit(model, loaders(), ckpt_path=ckpt_path))
 
@@ -177,6 +179,32 @@ class Growing:
 
 def growing_loader() -> Any:
     return DataLoader(IndexDataset(48), batch_sampler=Growing())
+
+
+def growing_beside_a_longer_one() -> Dict[str, Any]:
+    return {"a": pk_loader(size=128), "b": growing_loader()}  # a: 8 batches per rank; b: 2, 4 and 6
+
+
+class GrowsWhenTold(Growing):
+    """``Growing`` sized by its ``level`` (which a callback sets), not by the epoch, which only seeds its shuffle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.level = 0
+
+    def _items(self) -> int:
+        return min(48, 16 * (self.level + 1))
+
+
+class RaisesLevelAtEpochStart(pl.Callback):
+    """Sets the sampler's level to the epoch in ``on_train_epoch_start``: after Lightning read the loader's length."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.train_dataloader.batch_sampler.level = trainer.current_epoch  # through the wrapper, to the user's
+
+
+def told_loader() -> Any:
+    return DataLoader(IndexDataset(48), batch_sampler=GrowsWhenTold())
 
 
 class GrownValidated(pl.LightningDataModule):
@@ -447,6 +475,9 @@ if __name__ == "__main__":
     fit_interrupted(out, "grown_validated", GrownValidated, GROWN_STOP, in_validation=True, max_epochs=3,
                     reload_dataloaders_every_n_epochs=1, val_check_interval=0.5, model_class=LogsValidation)
     fit_interrupted(out, "grown_hooked", GrownByHook, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    fit(out, "grown_beside", growing_beside_a_longer_one, max_epochs=3)  # b never limits the epoch: nothing lost
+    fit(out, "grown_late", told_loader, max_epochs=3, reload_dataloaders_every_n_epochs=1,
+        callbacks=[RaisesLevelAtEpochStart()])
     fit_interrupted(out, "sized", two_loaders_max_size, CYCLED_STOP, max_epochs=1)
     fit_interrupted(out, "user_dealt", UserDealt, USER_DEALT_STOP, max_epochs=2)
     fit_interrupted(out, "user_batched", UserBatched, USER_DEALT_STOP, max_epochs=2)
