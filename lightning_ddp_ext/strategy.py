@@ -23,6 +23,7 @@ from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
@@ -221,6 +222,12 @@ def _index_sampler(loader: object) -> object:
     batching = getattr(loader, "batch_sampler", None)
     plain = batching is not None and _is_plain(batching, BatchSampler)
     return batching.sampler if plain else getattr(loader, "sampler", None)  # type: ignore[union-attr]
+
+
+def _sized_len_or_inf(loader: DataLoader) -> float:
+    """``len(loader)``, or infinity for one without a length (over an IterableDataset), as Lightning counts it."""
+    length = sized_len(loader)
+    return float("inf") if length is None else float(length)
 
 
 def _wrapper_of(loader: object) -> Optional[_Wrapper]:
@@ -1270,7 +1277,7 @@ class CustomDDP(DDPStrategy):
         dataloaders = [loader for loader in loaders if isinstance(loader, DataLoader)]
         if read is None or len(read) != len(loaders) or len(dataloaders) != len(loaders):
             return  # another kind of loader may have no length, and has no wrapper of ours
-        lengths = [float(len(loader)) for loader in dataloaders]
+        lengths = [_sized_len_or_inf(loader) for loader in dataloaders]  # a DataLoader of a stream has none
         now = _compat.training_batches_to_take(trainer, lengths)
         if now is None or now <= trainer.num_training_batches:
             return

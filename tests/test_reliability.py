@@ -287,7 +287,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
             "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
             "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_stale", "grown_validated", "grown_validated_first",
-            "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
+            "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "unsized", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
@@ -395,7 +395,7 @@ def test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warni
     set up again every epoch. CustomDDP says so, once, with the numbers; with reloading it says nothing, nor when
     the growing loader stays shorter than another one, which sets the epoch's length (all of it is trained).
     Grown in on_train_epoch_start, after Lightning read the length, it loses batches even with reloading: the
-    warning then says where to make the change instead."""
+    warning then says where to make the change instead. A loader without a length (a stream) is not measured."""
     def said(run: str) -> List[str]:
         warnings = resume_edge_runs[run][0]["facts"]["warnings"]
         return [w for w in warnings if "Lightning counted the epoch's batches when it set the loaders up" in w]
@@ -416,6 +416,7 @@ def test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warni
     assert "GrowsWhenTold has 4 batches per rank in epoch 1" in late_said and "takes 2" in late_said, late_said
     assert "in on_train_epoch_start" in late_said and "set_epoch" in late_said, late_said
     assert not said("grown") and not said("grown_beside")
+    assert [len(resume_edge_runs["unsized"][rank]["seen"]["train/only"]) for rank in range(WORLD)] == [4, 4]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -20,6 +20,7 @@ Usage: python reliability_resume_edges.py OUT_DIR
   ``train_dataloader`` hook that sizes a batch sampler without ``set_epoch`` by ``trainer.current_epoch``.
   ``grown_beside``: the growing loader ``b`` beside a loader ``a`` of 8 batches per rank, no reloading, 3 epochs.
   ``grown_late``: with reloading, a callback raises the sampler's level in ``on_train_epoch_start``.
+* ``unsized``: a loader over an IterableDataset without a length (4 batches, on every rank), one epoch.
 * ``sized``: the same three loaders in a CombinedLoader of mode "max_size", where ``b`` and ``c`` yield
   nothing once they ran out; ``sized_first`` stops after step 3 (they ran out one step before) with a
   checkpoint; ``sized_resumed`` finishes the epoch from it.
@@ -179,6 +180,20 @@ class Growing:
 
 def growing_loader() -> Any:
     return DataLoader(IndexDataset(48), batch_sampler=Growing())
+
+
+class UnsizedStream(IterableDataset):
+    """The first ``size`` items of an ``IndexDataset``, with no ``__len__``."""
+
+    def __init__(self, size: int) -> None:
+        self.items = IndexDataset(size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.items[i] for i in range(len(self.items)))
+
+
+def unsized_loader() -> Any:
+    return DataLoader(UnsizedStream(16), batch_size=4)
 
 
 def growing_beside_a_longer_one() -> Dict[str, Any]:
@@ -475,6 +490,7 @@ if __name__ == "__main__":
     fit_interrupted(out, "grown_validated", GrownValidated, GROWN_STOP, in_validation=True, max_epochs=3,
                     reload_dataloaders_every_n_epochs=1, val_check_interval=0.5, model_class=LogsValidation)
     fit_interrupted(out, "grown_hooked", GrownByHook, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    fit(out, "unsized", unsized_loader, max_epochs=1)
     fit(out, "grown_beside", growing_beside_a_longer_one, max_epochs=3)  # b never limits the epoch: nothing lost
     fit(out, "grown_late", told_loader, max_epochs=3, reload_dataloaders_every_n_epochs=1,
         callbacks=[RaisesLevelAtEpochStart()])
