@@ -1281,9 +1281,10 @@ class CustomDDP(DDPStrategy):
         now = _compat.training_batches_to_take(trainer, lengths)
         if now is None or now <= trainer.num_training_batches:
             return
-        grown = [
+        grown = [  # under limit_train_batches, as ``read`` counts them
             (wrapper, int(length)) for loader, length, before in zip(dataloaders, lengths, read)
-            if (wrapper := _wrapper_of(loader)) is not None and length > before
+            if (wrapper := _wrapper_of(loader)) is not None
+            and (_compat.training_batches_to_take(trainer, [length]) or 0.0) > before
         ]
         if not grown:
             return
