@@ -560,6 +560,11 @@ def close_epoch_restored_after_its_last_batch(trainer: "pl.Trainer") -> Optional
     epoch_loop.automatic_optimization.optim_progress.reset_on_run()
     epoch_loop.val_loop.batch_progress.total.reset()
     epoch_loop.reset_restart_stage()  # done: its reset must not count the restored batch again
+    if fit_loop.restarted_mid_epoch:
+        # The fit loop has moved its processed and completed epochs on, but while it restarts mid-epoch it would
+        # neither start the coming epoch (ready, started) nor call on_train_epoch_start: a checkpoint written in
+        # it would then say the epoch was done (resumed, it ran again), and epoch-start callbacks would miss it.
+        fit_loop.reset_restart_stage()
     return (restored, int(batches)) if restored < batches else None
 
 

@@ -286,7 +286,7 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
             "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
-            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_stale", "grown_validated", "grown_validated_first",
+            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_again", "grown_again_resumed", "grown_stale", "grown_validated", "grown_validated_first",
             "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "unsized", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
             "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
@@ -442,6 +442,24 @@ def test_a_fit_ended_by_max_steps_and_resumed_twice_with_a_reshuffling_sampler_t
         assert parts == whole[: len(whole) - rerun], f"rank {rank}: interrupted twice and resumed {parts} != {whole}"
     info = resume_edge_runs["ended_reshuffled_again_resumed"][0]["facts"]["info"]
     assert any(f"skips the {2 - rerun} batch(es) of epoch 1 trained" in line for line in info), info
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_fit_resumed_after_an_epochs_last_batch_and_interrupted_again_trains_as_the_uninterrupted_run(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """Resumed from a checkpoint written at an epoch's last batch, Lightning 2.3+ went on with the next epoch
+    without starting it (no on_train_epoch_start, its started count not raised): a checkpoint written inside that
+    epoch said it was done, and resumed from it, the epoch ran again from its first batch. Interrupted there and
+    resumed, the run now trains what the uninterrupted one did."""
+    # Lightning without restart stages (2.2) re-runs the batch whose on_train_batch_end wrote each checkpoint.
+    rerun = 0 if hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") else 1
+    for rank in range(WORLD):
+        runs = [resume_edge_runs[run][rank]["seen"]["train/only"] for run in ("grown_first", "grown_again")]
+        parts = [batch for seen in runs for batch in seen[: len(seen) - rerun]]
+        parts += resume_edge_runs["grown_again_resumed"][rank]["seen"]["train/only"]
+        whole = resume_edge_runs["grown"][rank]["seen"]["train/only"]
+        assert parts == whole, f"rank {rank}: interrupted twice and resumed {parts} != {whole}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

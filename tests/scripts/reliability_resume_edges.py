@@ -18,6 +18,8 @@ Usage: python reliability_resume_edges.py OUT_DIR
   written by ``ModelCheckpoint(monitor=...)`` after the validation at epoch 1's end (Lightning finishes that epoch,
   with nothing left, when it resumes). ``grown_hooked`` likewise (checkpoint in the batch's hook), with a
   ``train_dataloader`` hook that sizes a batch sampler without ``set_epoch`` by ``trainer.current_epoch``.
+  ``grown_again`` resumes ``grown_first`` and stops 3 batches into epoch 2 with a checkpoint there;
+  ``grown_again_resumed`` goes on from it (to 3 epochs).
   ``grown_beside``: the growing loader ``b`` beside a loader ``a`` of 8 batches per rank, no reloading, 3 epochs.
   ``grown_late``: with reloading, a callback raises the sampler's level in ``on_train_epoch_start``.
 * ``unsized``: a loader over an IterableDataset without a length (4 batches, on every rank), one epoch.
@@ -93,6 +95,7 @@ LIMIT, LIMITED_STOP = 4, 4  # batches per limited epoch; the checkpoint is at it
 CYCLED_STOP = 3
 ENDED_BY_MAX_STEPS = 3  # of the 6 batches a rank of the first epoch
 GROWN_STOP = 6  # the last batch of epoch 1 (2 + 4 batches per rank)
+GROWN_AGAIN = 9  # 3 batches into epoch 2
 RESHUFFLED_AGAIN = 8  # after the rest of the first epoch, 2 batches into the second
 USER_DEALT_STOP = 8  # 6 batches per rank and epoch: 2 steps into epoch 1
 USER_SHARDED_STOP = 6  # the end of epoch 0
@@ -485,7 +488,12 @@ if __name__ == "__main__":
         max_epochs=3)
     fit(out, "ended_reshuffled_again_resumed", reshuffled_loader, max_epochs=3, max_steps=12,
         ckpt_path=checkpoints / f"ended_reshuffled_again-step={RESHUFFLED_AGAIN}.ckpt")
-    fit_interrupted(out, "grown", growing_loader, GROWN_STOP, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    grown_checkpoint = fit_interrupted(out, "grown", growing_loader, GROWN_STOP, max_epochs=3,
+                                       reload_dataloaders_every_n_epochs=1)
+    fit(out, "grown_again", growing_loader, ckpt_path=grown_checkpoint, stop_at=GROWN_AGAIN, max_epochs=3,
+        reload_dataloaders_every_n_epochs=1)
+    fit(out, "grown_again_resumed", growing_loader, ckpt_path=checkpoints / f"grown_again-step={GROWN_AGAIN}.ckpt",
+        max_epochs=3, reload_dataloaders_every_n_epochs=1)
     fit(out, "grown_stale", growing_loader, max_epochs=3)  # Lightning reads its length once
     fit_interrupted(out, "grown_validated", GrownValidated, GROWN_STOP, in_validation=True, max_epochs=3,
                     reload_dataloaders_every_n_epochs=1, val_check_interval=0.5, model_class=LogsValidation)
