@@ -142,17 +142,20 @@ def training_batches_read(trainer: "pl.Trainer") -> Optional[List[float]]:
     return None if limits is None else [float(limit) for limit in limits]
 
 
-def training_batches_to_take(trainer: "pl.Trainer", lengths: List[float]) -> Optional[float]:
-    """How many batches the fit loop would take in an epoch from training loaders of ``lengths`` (in
-    :func:`current_loaders` order) if it set them up now: the longest one's under ``limit_train_batches``, or the
-    shortest one's in mode "min_size"; None where it would refuse a length (a fraction of less than one batch)."""
+def training_batches_per_loader(trainer: "pl.Trainer", lengths: List[float]) -> Optional[List[float]]:
+    """How many batches the fit loop would count for training loaders of ``lengths`` (in :func:`current_loaders`
+    order) if it set them up now, under ``limit_train_batches``; None where it would refuse a length (a fraction
+    of less than one batch)."""
     try:
-        taken = [float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)) for length in lengths]
+        return [float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)) for length in lengths]
     except MisconfigurationException:
         return None
-    if not taken:
-        return None
-    return min(taken) if training_loader_mode(trainer) == "min_size" else max(taken)
+
+
+def training_epoch_batches(trainer: "pl.Trainer", per_loader: List[float]) -> float:
+    """The batches of a training epoch over loaders counted ``per_loader``: the longest one's, or the shortest one's
+    in mode "min_size"."""
+    return min(per_loader) if training_loader_mode(trainer) == "min_size" else max(per_loader)
 
 
 class EvaluationCounts(NamedTuple):

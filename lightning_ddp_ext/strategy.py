@@ -1278,13 +1278,12 @@ class CustomDDP(DDPStrategy):
         if read is None or len(read) != len(loaders) or len(dataloaders) != len(loaders):
             return  # another kind of loader may have no length, and has no wrapper of ours
         lengths = [_sized_len_or_inf(loader) for loader in dataloaders]  # a DataLoader of a stream has none
-        now = _compat.training_batches_to_take(trainer, lengths)
-        if now is None or now <= trainer.num_training_batches:
+        counted = _compat.training_batches_per_loader(trainer, lengths)  # under limit_train_batches, as ``read``
+        if not counted or _compat.training_epoch_batches(trainer, counted) <= trainer.num_training_batches:
             return
-        grown = [  # under limit_train_batches, as ``read`` counts them
-            (wrapper, int(length)) for loader, length, before in zip(dataloaders, lengths, read)
-            if (wrapper := _wrapper_of(loader)) is not None
-            and (_compat.training_batches_to_take(trainer, [length]) or 0.0) > before
+        grown = [
+            (wrapper, int(length)) for loader, length, now, before in zip(dataloaders, lengths, counted, read)
+            if (wrapper := _wrapper_of(loader)) is not None and now > before
         ]
         if not grown:
             return
