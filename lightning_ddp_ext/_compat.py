@@ -459,9 +459,11 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     The epoch is the one whose batches were trained (see :func:`_restarted_epoch`): the rest is dealt in its order.
 
     Its batches counted as processed ran their optimizer step before the checkpoint (a checkpoint written in
-    ``on_train_batch_end`` counts its own batch as processed but not yet completed). A checkpoint written after
-    the step of the epoch's last batch (``limit_train_batches`` counts) is not mid-epoch: Lightning goes on with
-    the next epoch, on the iterator it makes while setting up (see :func:`epoch_for_samplers`). Lightning
+    ``on_train_batch_end`` counts its own batch as processed but not yet completed). A checkpoint written in the
+    ``on_train_batch_end`` of the epoch's last batch (``limit_train_batches`` counts) is not mid-epoch: Lightning
+    goes on with the next epoch, on the iterator it makes while setting up (see
+    :func:`_goes_on_with_the_next_epoch`); one written after that batch's validation is, with every batch done
+    (Lightning finishes the epoch without fetching one). Lightning
     versions without restart stages in their training epoch loop (2.2) re-run the batch whose
     ``on_train_batch_end`` wrote the checkpoint, in the middle of an epoch and at its end, with any sampler:
     the count returned is then the batches they count as completed.
@@ -607,7 +609,7 @@ class TrainingEpochToDeal:
 
 def epoch_for_samplers(trainer: "pl.Trainer") -> int:
     """The epoch Lightning's fit loop passes to ``set_epoch`` at the start of the coming training epoch: the
-    next one after a checkpoint written after the step of an epoch's last batch (see
+    next one after a checkpoint written in the ``on_train_batch_end`` of an epoch's last batch (see
     :func:`_goes_on_with_the_next_epoch`)."""
     restored = _restored_progress(trainer)
     restarted = _restarted_epoch(trainer, restored)
