@@ -1,24 +1,29 @@
 """Step-time overhead of "ddp_custom_sampler" against Lightning's "ddp", and all-reduce rounds per step.
 
-1. Two jobs on 2 CPU processes, each run ``--repeats`` times per strategy, alternately (and alternating which
-   of a pair runs first); a run reports its median time per batch, from one ``on_train_batch_end`` to the next
-   (the first from the epoch's start), so fetching the batch (the sampler, collation) counts as well as the
-   step; the first epoch is warm-up. Ratios are medians over the back-to-back pairs.
+1. Two jobs on 2 CPU processes. For each job one process tree runs ``--repeats`` pairs of fits, one fit per
+   strategy in a pair, back to back in the same two processes (alternating which runs first), so process
+   start-up stays out and machine drift hits both members of a pair alike. Each rank is pinned to a core of
+   its own when there are enough. A fit reports rank 0's median time per batch, from one
+   ``on_train_batch_end`` to the next (the first from the epoch's start), so fetching the batch (the sampler,
+   collation) counts as well as the step; its first epoch is warm-up.
 
    - ``plain``: a plain ``BatchSampler``, which stock Lightning supports, under "ddp" and "ddp_custom_sampler".
-     Target: ratio <= 1.02.
+     Target: the median of the pairs' ratios <= 1.02. The verdict uses the median's 95 % interval (order
+     statistics of the pairs' ratios): PASS when all of it is at or below the target, FAIL when all of it is
+     above, "not resolved" otherwise (more ``--repeats``, or a quieter machine, narrow it).
    - ``custom``: a batch sampler that subclasses nothing (shuffled per epoch), dealt by "ddp_custom_sampler"
      against stock "ddp" with ``use_distributed_sampler=False`` and the user dealing by hand (every W-th
      batch), as users do today. Shown, no target.
 2. Gradient all-reduce rounds per optimizer step under "ddp_custom_sampler" for accumulate_grad_batches
    1, 2, 4, 8, counted by a DDP comm hook (one count per round: the hook's last bucket). Target: exactly 1.
 
-Run: ``python benchmarks/strategy_overhead.py`` (``--repeats 3`` for a quicker, noisier look).
-Each run is a separate ``python`` process tree, as a user's training script would be.
+Run: ``python benchmarks/strategy_overhead.py`` (about a minute on 2 cores; ``--repeats 30`` for a narrower
+interval).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import random
@@ -35,6 +40,7 @@ from _processes import run_process_tree  # noqa: E402
 ACCUMULATIONS = (1, 2, 4, 8)
 TARGET_RATIO = 1.02
 SAMPLES, BATCH = 4096, 32
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # before any pinning
 # (job, baseline strategy, our strategy): "ddp" in the custom job deals by hand (use_distributed_sampler=False).
 JOBS: Tuple[Tuple[str, str, str], ...] = (("plain", "ddp", "ddp_custom_sampler"), ("custom", "ddp", "ddp_custom_sampler"))
 
@@ -78,8 +84,28 @@ class DealtByHand:
                 yield batch
 
 
-def _worker(job: str, strategy: str, accumulate: int, out: str, epochs: int) -> None:
-    """One training run (this branch is also what Lightning's popen launcher re-runs for rank 1)."""
+def _pin_to_own_core(local_rank: int, ranks: int) -> None:
+    """Keep each rank on a core of its own when the machine has one for each (less scheduling noise)."""
+    if len(CORES) >= ranks:
+        os.sched_setaffinity(0, {CORES[local_rank]})
+
+
+def median_interval(values: List[float], confidence: float = 0.95) -> Tuple[float, float]:
+    """Distribution-free interval for the median of ``values``: the k-th smallest and k-th largest, k the
+    largest rank whose binomial tail stays within (1 - confidence) / 2; the whole range when there are too
+    few values for that (fewer than 6 at 95 %)."""
+    ordered, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while True:
+        tail += math.comb(n, k) / 2**n  # P(at most k of the n values fall below the true median)
+        if tail > (1 - confidence) / 2 or k >= n // 2:
+            break
+        k += 1
+    return (ordered[0], ordered[-1]) if k == 0 else (ordered[k - 1], ordered[n - k])
+
+
+def _fit(job: str, strategy: str, accumulate: int, epochs: int) -> Dict[str, Any]:
+    """One ``Trainer.fit`` of ``job`` under ``strategy``; rank 0's median time per batch, rounds and steps."""
     import lightning.pytorch as pl
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -111,6 +137,9 @@ def _worker(job: str, strategy: str, accumulate: int, out: str, epochs: int) -> 
             if strategy == "ddp":
                 sampler = DealtByHand(sampler, self.trainer.global_rank, self.trainer.world_size)
             return DataLoader(data, batch_sampler=sampler)
+
+        def setup(self, stage: str) -> None:
+            _pin_to_own_core(self.trainer.local_rank, self.trainer.num_devices)
 
         def on_train_epoch_start(self) -> None:
             self._last = time.perf_counter()
@@ -145,68 +174,84 @@ def _worker(job: str, strategy: str, accumulate: int, out: str, epochs: int) -> 
         enable_model_summary=False,
     )
     trainer.fit(model)
+    return {
+        "rank": trainer.global_rank,
+        "median_batch_s": statistics.median(model.batch_times) if model.batch_times else None,
+        "rounds": rounds[0],
+        "optimizer_steps": trainer.global_step,
+    }
+
+
+def _worker(task: str, repeats: int, epochs: int, out: str) -> None:
+    """Every fit of one task in this process tree (Lightning's popen launcher re-runs this branch for rank 1;
+    later fits reuse the two processes and their process group). ``task`` is a job name (timed pairs) or
+    ``rounds`` (one fit per accumulation)."""
+    results: List[Dict[str, Any]] = []
+    if task == "rounds":
+        for accumulate in ACCUMULATIONS:
+            results.append(dict(_fit("plain", "ddp_custom_sampler", accumulate, 1), accumulate=accumulate))
+    else:
+        _, baseline, ours = next(job for job in JOBS if job[0] == task)
+        for repeat in range(repeats):
+            pair = (baseline, ours) if repeat % 2 == 0 else (ours, baseline)  # neither always runs first
+            for strategy in pair:  # back to back in the same processes, so drift hits both alike
+                results.append(dict(_fit(task, strategy, 0, epochs), strategy=strategy, pair=repeat))
     import torch.distributed as dist
 
     if dist.is_initialized():  # stock "ddp" leaves its group to exit, where gloo's threads can abort the process
         dist.destroy_process_group()
-    if trainer.global_rank == 0:
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "median_batch_s": statistics.median(model.batch_times) if model.batch_times else None,
-                    "rounds": rounds[0],
-                    "optimizer_steps": trainer.global_step,
-                }
-            )
-        )
+    if results and results[0]["rank"] == 0:
+        Path(out).write_text(json.dumps(results))
 
 
-def _run(job: str, strategy: str, accumulate: int, epochs: int) -> Dict[str, Any]:
+def _run(task: str, repeats: int, epochs: int) -> List[Dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        command = [sys.executable, __file__, "--worker", job, strategy, str(accumulate), out, str(epochs)]
+        command = [sys.executable, __file__, "--worker", task, str(repeats), str(epochs), out]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")}
-        status, _ = run_process_tree(command, timeout=600, cwd=tmp, env=env)
+        status, _ = run_process_tree(command, timeout=1800, cwd=tmp, env=env)
         if status != 0:
-            raise RuntimeError(f"the {job} job under {strategy!r} exited with status {status}: rerun {command}")
+            raise RuntimeError(f"the {task!r} runs exited with status {status}: rerun {command}")
         return json.loads(Path(out).read_text())
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
+        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description="CustomDDP step-time overhead and all-reduce rounds per step.")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per strategy and job, interleaved")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per run, at least 2 (the first is warm-up)")
+    parser.add_argument("--repeats", type=int, default=10, help="pairs of fits per job, interleaved")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per fit, at least 2 (the first is warm-up)")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the first epoch is warm-up and is not timed")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
-    print("job     strategy                         median time per batch (ms), per run")
-    ratios: Dict[str, float] = {}
+    print("job     strategy                         median time per batch (ms), per fit")
+    ratios: Dict[str, List[float]] = {}
     for job, baseline, ours in JOBS:
-        medians: Dict[str, List[float]] = {baseline: [], ours: []}
-        for repeat in range(args.repeats):
-            pair = (baseline, ours) if repeat % 2 == 0 else (ours, baseline)  # neither always runs first
-            for strategy in pair:  # back to back, so drift in machine load hits both alike
-                medians[strategy].append(_run(job, strategy, 0, args.epochs)["median_batch_s"])
+        fits = _run(job, args.repeats, args.epochs)
+        medians = {s: [f["median_batch_s"] for f in fits if f["strategy"] == s] for s in (baseline, ours)}
         for strategy in (baseline, ours):
             label = strategy + (" (dealt by hand)" if job == "custom" and strategy == "ddp" else "")
             print(f"{job:7} {label:32} " + " ".join(f"{t * 1e3:6.3f}" for t in medians[strategy]))
-        ratios[job] = statistics.median(b / a for a, b in zip(medians[baseline], medians[ours]))
-    print(f"\nmedian of the {args.repeats} interleaved pairs' ratios (ddp_custom_sampler / ddp):")
-    print(f"plain job (a BatchSampler):          {ratios['plain']:.3f}   target <= {TARGET_RATIO}:"
-          f" {'PASS' if ratios['plain'] <= TARGET_RATIO else 'FAIL'}")
-    print(f"custom job (against dealing by hand): {ratios['custom']:.3f}   (no target)\n")
+        ratios[job] = [b / a for a, b in zip(medians[baseline], medians[ours])]
+    print(f"\nmedian of the {args.repeats} pairs' ratios (ddp_custom_sampler / ddp), with its 95 % interval:")
+    low, high = median_interval(ratios["plain"])
+    verdict = "PASS" if high <= TARGET_RATIO else "FAIL" if low > TARGET_RATIO else "not resolved (more --repeats)"
+    print(f"plain job (a BatchSampler):          {statistics.median(ratios['plain']):.3f}"
+          f" [{low:.3f}, {high:.3f}]   target <= {TARGET_RATIO}: {verdict}")
+    low, high = median_interval(ratios["custom"])
+    print(f"custom job (against dealing by hand): {statistics.median(ratios['custom']):.3f}"
+          f" [{low:.3f}, {high:.3f}]   (no target)\n")
 
     print("accumulate_grad_batches   optimizer steps   all-reduce rounds   rounds per step")
     exact = True
-    for accumulate in ACCUMULATIONS:
-        result = _run("plain", "ddp_custom_sampler", accumulate, 1)
+    for result in _run("rounds", 1, 1):
         per_step = result["rounds"] / result["optimizer_steps"]
         exact = exact and per_step == 1
-        print(f"{accumulate:23d}   {result['optimizer_steps']:15d}   {result['rounds']:17d}   {per_step:15.3f}")
+        print(f"{result['accumulate']:23d}   {result['optimizer_steps']:15d}   {result['rounds']:17d}   {per_step:15.3f}")
     print(f"target exactly 1 round per optimizer step: {'PASS' if exact else 'FAIL'}")
 
 
