@@ -1,22 +1,11 @@
 """The verdict statistics of ``benchmarks/strategy_overhead.py``: a wrong interval would print PASS on noise."""
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-from pathlib import Path
-from typing import Any
 
 import pytest
-
-
-def _strategy_overhead() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "strategy_overhead.py"
-    spec = importlib.util.spec_from_file_location("strategy_overhead", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize(("n", "k"), [(5, 1), (6, 1), (10, 2), (20, 6), (30, 10)])
@@ -24,11 +13,11 @@ def test_median_interval_takes_the_textbook_order_statistics(n: int, k: int) -> 
     """k-th smallest and k-th largest of n (1-based): the distribution-free 95 % interval for the median."""
     values = [float(v) for v in random.Random(n).sample(range(1000), n)]
     ordered = sorted(values)
-    assert _strategy_overhead().median_interval(values) == (ordered[k - 1], ordered[n - k])
+    assert load_benchmark("strategy_overhead").median_interval(values) == (ordered[k - 1], ordered[n - k])
 
 
 def test_median_interval_covers_the_true_median_at_least_as_often_as_it_claims() -> None:
-    median_interval = _strategy_overhead().median_interval
+    median_interval = load_benchmark("strategy_overhead").median_interval
     draw = random.Random(0)
     trials, covered = 2000, 0
     for _ in range(trials):

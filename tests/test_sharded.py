@@ -10,7 +10,6 @@ CustomDDP one, or hang (every run has a process-group timeout and a test timeout
 from __future__ import annotations
 
 import copy
-import importlib.util
 import textwrap
 import warnings
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from benchmark_scripts import load_benchmark
 from distributed_helpers import run_distributed, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -1004,18 +1004,9 @@ def test_balanced_partition_properties(sizes: List[List[int]], world_size: int, 
     assert max(loads) - min(loads) <= heaviest
 
 
-def _benchmark() -> Any:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_memory.py"
-    spec = importlib.util.spec_from_file_location("sharded_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_partition_of_the_benchmark_transformer_is_balanced() -> None:
     """At most 1.02x the ideal share per rank on 2 ranks; fairscale's in-order greedy is far off on this model."""
-    model = _benchmark().build_transformer(device="meta")
+    model = load_benchmark("sharded_memory").build_transformer(device="meta")
     groups = [{"params": list(model.parameters())}]
     ideal = sum(p.numel() for p in model.parameters()) / 2
 
