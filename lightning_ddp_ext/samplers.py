@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import sys
 import warnings
+import weakref
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, length_hint
 from typing import (
@@ -58,6 +59,31 @@ _READ_BLOCK = 1024
 # Ranges of windows planned (or dealt in C) in one go grow 8, 64, ... windows up to this many positions after
 # the head (see _plan_ranges): a short epoch needs few numpy calls, and a plan's arrays stay small.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
+
+# The epoch a wrapper last forwarded to each user sampler, by id while the sampler lives (weakly; one that takes
+# no weak reference is not remembered): a new wrapper around a sampler that an earlier wrapper moved on (a
+# tuner's run before the fit, say) must set its epoch again before it is iterated, even at its own epoch.
+_EPOCHS_FORWARDED: dict[int, Tuple["weakref.ref[Any]", int]] = {}
+
+
+def _epoch_forwarded_to(source: object) -> Optional[int]:
+    """The epoch a wrapper last forwarded to ``source`` (to its ``set_epoch`` or its inner sampler's); None when
+    none did, or when ``source`` takes no weak reference."""
+    entry = _EPOCHS_FORWARDED.get(id(source))
+    return entry[1] if entry is not None and entry[0]() is source else None
+
+
+def _remember_epoch_forwarded(source: object, epoch: int) -> None:
+    key = id(source)
+
+    def forget(ref: "weakref.ref[Any]") -> None:
+        if _EPOCHS_FORWARDED.get(key, (None, 0))[0] is ref:  # not a later object's entry under a reused id
+            del _EPOCHS_FORWARDED[key]
+
+    try:
+        _EPOCHS_FORWARDED[key] = (weakref.ref(source, forget), epoch)
+    except TypeError:  # no weak reference to it (``__slots__`` without ``__weakref__``)
+        _EPOCHS_FORWARDED.pop(key, None)
 _PLAN_GROWTH = 8
 # Positions a plan may have to be made in plain Python rather than numpy (see _window_plan): numpy's cost per
 # call (tens of calls per plan) outweighs Python's per position below about this many.
@@ -345,6 +371,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 targets[id(candidate)] = set_epoch
         for set_epoch in targets.values():
             set_epoch(epoch)
+        if targets:
+            _remember_epoch_forwarded(self.source, epoch)
 
     def _set_epoch_ahead_of_loop(self, epoch: int, dealt_as: Optional[int] = None, forwarded: bool = False) -> None:
         """:meth:`set_epoch` now, on behalf of a loop that will call ``set_epoch(epoch)`` itself before the epoch:

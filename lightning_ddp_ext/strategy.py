@@ -53,6 +53,7 @@ from lightning_ddp_ext.samplers import (
     DistributedSamplerWrapper,
     _check_flag,
     _check_seed,
+    _epoch_forwarded_to,
     _check_shuffle_window,
 )
 from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _not_samples_error
@@ -1114,14 +1115,19 @@ class CustomDDP(DDPStrategy):
         # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
         if sampler is not None and epoch is not None and _compat.fit_trains_an_epoch(trainer):
             if isinstance(sampler, _WRAPPER_TYPES):
-                if sampler.epoch != dealt or dealt != epoch:  # Lightning's loop sets it again: not forwarded twice
-                    # Nor twice by two set-ups of the fit's first epoch (with reload_dataloaders_every_n_epochs, the
-                    # fit loop sets its loaders up again as a resumed epoch starts), each wrapping the user's object.
-                    # Unless the loop has called set_epoch since (on the wrapper that gave it), which may have
-                    # given the user's object another epoch in between.
+                # The user's object may be at another epoch than a new wrapper: an earlier wrapper moved it on (a
+                # tuner's run of more than an epoch before the fit), and an iterator made before the loop's
+                # set_epoch (workers draw at once) would deal that epoch's order.
+                last = _epoch_forwarded_to(sampler.source)
+                moved_on = last is not None and last != dealt
+                if sampler.epoch != dealt or dealt != epoch or moved_on:  # else the loop's set_epoch is enough
+                    # Not forwarded twice by two set-ups of the fit's first epoch (with
+                    # reload_dataloaders_every_n_epochs, the fit loop sets its loaders up again as a resumed epoch
+                    # starts), each wrapping the user's object. Unless the loop has called set_epoch since (on the
+                    # wrapper that gave it), which may have given the user's object another epoch in between.
                     given = self._epochs_given.get(id(sampler.source))
                     forwarded = (
-                        given is not None and given[0] is sampler.source and given[1] == dealt
+                        not moved_on and given is not None and given[0] is sampler.source and given[1] == dealt
                         and given[2]._epoch_set_ahead is not None
                     )
                     sampler._set_epoch_ahead_of_loop(epoch, dealt_as=dealt, forwarded=forwarded)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import pickle
 import re
@@ -23,6 +24,8 @@ from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
+    _EPOCHS_FORWARDED,
+    _epoch_forwarded_to,
     _numpy_window_plan,
     _plan_ranges,
     _PlanSpan,
@@ -763,3 +766,41 @@ def test_pad_is_part_of_the_dealing_options_only_where_it_changes_the_shares() -
     for shuffle in (False, True):
         assert dealt(pad=True, even_shares=False, shuffle=shuffle) == dealt(pad=False, even_shares=False, shuffle=shuffle)
         assert dealt(pad=True, shuffle=shuffle)[1] != dealt(pad=False, shuffle=shuffle)[1]
+
+
+def test_the_epoch_a_wrapper_gave_a_sampler_is_remembered_while_the_sampler_lives() -> None:
+    """A later wrapper around the same sampler learns that an earlier one moved it on (CustomDDP sets it back
+    before the loader draws); nothing keeps the sampler alive, and one that takes no weak reference is unknown."""
+
+    class NoWeakReference:
+        __slots__ = ("epoch",)  # no __weakref__ slot
+
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return 4
+
+        def __iter__(self) -> Iterator[List[int]]:
+            return iter([[0], [1], [2], [3]])
+
+    class Epochs(NoWeakReference):
+        __slots__ = ("__weakref__",)
+
+    source = Epochs()
+    assert _epoch_forwarded_to(source) is None
+    DistributedBatchSamplerWrapper(source, num_replicas=2, rank=0).set_epoch(3)
+    assert _epoch_forwarded_to(source) == 3 and source.epoch == 3
+    DistributedBatchSamplerWrapper(source, num_replicas=2, rank=1).set_epoch(1)
+    assert _epoch_forwarded_to(source) == 1
+    watch = weakref.ref(source)
+    del source
+    gc.collect()  # the wrappers, gone too
+    assert watch() is None  # the record held no reference
+    assert not [key for key, (ref, _) in _EPOCHS_FORWARDED.items() if ref() is None]
+    slotted = NoWeakReference()
+    DistributedBatchSamplerWrapper(slotted, num_replicas=2, rank=0).set_epoch(2)
+    assert slotted.epoch == 2 and _epoch_forwarded_to(slotted) is None

@@ -393,6 +393,19 @@ def test_popen_launcher_from_a_standalone_script(tmp_path: Path) -> None:
     assert [batches_of(ranks[r], "train/only", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
 
 
+def test_a_fit_after_lr_find_trains_the_samplers_first_epoch_first(tmp_path: Path) -> None:
+    """lr_find's loop, longer than an epoch, leaves the user's sampler at epoch 1 in the same processes; the
+    fit's loader workers draw as soon as its iterator is made, before the loop's set_epoch(0): the fit trained
+    epoch 1's order twice (stock "ddp" too). The strategy sets the sampler back to epoch 0 first."""
+    run_python(str(HERE / "scripts" / "popen_fit.py"), str(tmp_path), "lr_find", timeout=300, cwd=tmp_path)
+    ranks = read_ranks(str(tmp_path), 2)
+    sampler = PKBatches(labels_for(), p=2, k=4, seed=1)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        expected = list(sampler)
+        assert [batches_of(ranks[r], "train/only", epoch) for r in range(2)] == [expected[0::2], expected[1::2]]
+
+
 class Predictor(Recorder):
     def predict_step(self, batch: Any, batch_idx: int) -> None:
         self._record("predict", batch)
