@@ -23,8 +23,8 @@ interval).
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import random
 import statistics

@@ -59,6 +59,15 @@ _READ_BLOCK = 1024
 # Ranges of windows planned (or dealt in C) in one go grow 8, 64, ... windows up to this many positions after
 # the head (see _plan_ranges): a short epoch needs few numpy calls, and a plan's arrays stay small.
 _MAX_PERMUTATION_ELEMENTS = 1 << 16
+_PLAN_GROWTH = 8
+# Positions a plan may have to be made in plain Python rather than numpy (see _window_plan): numpy's cost per
+# call (tens of calls per plan) outweighs Python's per position below about this many.
+_PYTHON_PLAN_POSITIONS = 256
+# Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
+_MAX_WINDOW = 1 << 31
+# Seeds: 64-bit signed, so that seed + epoch, which seeds torch's generators here and in DistributedSampler, never
+# overflows what torch.Generator.manual_seed takes (up to 2**64 - 1).
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 # The epoch a wrapper last forwarded to each user sampler, by id while the sampler lives (weakly; one that takes
 # no weak reference is not remembered): a new wrapper around a sampler that an earlier wrapper moved on (a
@@ -84,15 +93,6 @@ def _remember_epoch_forwarded(source: object, epoch: int) -> None:
         _EPOCHS_FORWARDED[key] = (weakref.ref(source, forget), epoch)
     except TypeError:  # no weak reference to it (``__slots__`` without ``__weakref__``)
         _EPOCHS_FORWARDED.pop(key, None)
-_PLAN_GROWTH = 8
-# Positions a plan may have to be made in plain Python rather than numpy (see _window_plan): numpy's cost per
-# call (tens of calls per plan) outweighs Python's per position below about this many.
-_PYTHON_PLAN_POSITIONS = 256
-# Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
-_MAX_WINDOW = 1 << 31
-# Seeds: 64-bit signed, so that seed + epoch, which seeds torch's generators here and in DistributedSampler, never
-# overflows what torch.Generator.manual_seed takes (up to 2**64 - 1).
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class LengthMismatchError(RuntimeError):

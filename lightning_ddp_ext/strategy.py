@@ -53,8 +53,8 @@ from lightning_ddp_ext.samplers import (
     DistributedSamplerWrapper,
     _check_flag,
     _check_seed,
-    _epoch_forwarded_to,
     _check_shuffle_window,
+    _epoch_forwarded_to,
 )
 from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _not_samples_error
 
@@ -1287,14 +1287,17 @@ class CustomDDP(DDPStrategy):
         counted = _compat.training_batches_per_loader(trainer, lengths)  # under limit_train_batches, as ``read``
         if not counted or _compat.training_epoch_batches(trainer, counted) <= trainer.num_training_batches:
             return
-        grown = [
-            (wrapper, int(length)) for loader, length, now, before in zip(dataloaders, lengths, counted, read)
-            if (wrapper := _wrapper_of(loader)) is not None and now > before
-        ]
-        if not grown:
+        grown = next(
+            (
+                (wrapper, int(length)) for loader, length, now, before in zip(dataloaders, lengths, counted, read)
+                if (wrapper := _wrapper_of(loader)) is not None and now > before
+            ),
+            None,
+        )
+        if grown is None:
             return
         self._warned_grown = True
-        wrapper, length = grown[0]
+        wrapper, length = grown
         reloads_every_epoch = getattr(trainer, "reload_dataloaders_every_n_epochs", 0) == 1
         how = (
             "Lightning read its length before (in on_train_epoch_start, say): change it in your sampler's set_epoch,"
