@@ -115,7 +115,9 @@ class Embedder(pl.LightningModule):
         recall = recall_at_1(embeddings, labels)
         if not self.trainer.sanity_checking:
             self.recalls.append(recall)
-        self.log("recall@1", recall, prog_bar=True, rank_zero_only=True)
+        # The same value on every rank (computed from the gathered embeddings): sync_dist averages equal values,
+        # and tells Lightning the epoch-level value is meant for all ranks (it warns otherwise).
+        self.log("recall@1", recall, prog_bar=True, sync_dist=True)
 
     def on_train_end(self) -> None:
         per_rank = sync_dicts({"batches": [self.train_batches]})["batches"]  # one dict per rank, rank order
