@@ -278,7 +278,9 @@ def _reaches_a_parameter(loss: torch.Tensor) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(getattr(node, "variable", None), Parameter):  # an AccumulateGrad node: a leaf
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        # (isinstance against Parameter runs a Python-level __instancecheck__: only for the nodes that have one)
+        if variable is not None and isinstance(variable, Parameter):
             return True
         if isinstance(node, BackwardCFunction):
             return True
