@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _processes import run_process_tree  # noqa: E402
@@ -104,8 +104,9 @@ def median_interval(values: List[float], confidence: float = 0.95) -> Tuple[floa
     return (ordered[0], ordered[-1]) if k == 0 else (ordered[k - 1], ordered[n - k])
 
 
-def _fit(job: str, strategy: str, accumulate: int, epochs: int) -> Dict[str, Any]:
-    """One ``Trainer.fit`` of ``job`` under ``strategy``; rank 0's median time per batch, rounds and steps."""
+def _fit(job: str, strategy: str, accumulate: int, epochs: int, callbacks: Sequence[Any] = ()) -> Dict[str, Any]:
+    """One ``Trainer.fit`` of ``job`` under ``strategy`` (with extra Lightning ``callbacks``); rank 0's median
+    time per batch, rounds and steps."""
     import lightning.pytorch as pl
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -169,6 +170,7 @@ def _fit(job: str, strategy: str, accumulate: int, epochs: int) -> Dict[str, Any
         accumulate_grad_batches=max(accumulate, 1),
         use_distributed_sampler=not (job == "custom" and strategy == "ddp"),
         logger=False,
+        callbacks=list(callbacks),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
