@@ -39,7 +39,7 @@ from strategy_overhead import BATCH, JOBS, SAMPLES, TARGET_RATIO, _fit  # noqa: 
 
 MARKER = "os_sched_yield"  # CPython's C function behind os.sched_yield(): callgrind dumps before each call
 REPEATS = 3
-RUN_TIMEOUT_S = 4 * 3600
+RUN_TIMEOUT_S = 3600  # the run takes about 10 minutes; one that hangs is killed
 BATCHES_PER_RANK_EPOCH = SAMPLES // BATCH // 2  # both jobs deal SAMPLES // BATCH batches to 2 ranks
 
 
@@ -141,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--epochs", type=int, default=2, help="epochs counted per fit, after one of warm-up (default 2)"
     )
-    parser.add_argument("--worker", nargs=2, metavar=("EXTRA_EPOCHS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("COUNTED_EPOCHS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(int(args.worker[0]), args.worker[1])
