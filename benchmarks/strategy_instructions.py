@@ -30,6 +30,8 @@ import re
 import shutil
 import sys
 import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -69,22 +71,29 @@ def _counting_callback(label: str, labels: List[str]) -> Any:
 
 def worker(counted_epochs: int, out: str) -> None:
     """Rank 0 under callgrind (rank 1 re-runs this natively): every fit, its counted epochs marked. Writes the
-    dumps' labels."""
+    dumps' labels to ``out`` and, as it goes, a line per fit to ``out + ".progress"`` (rank 0 only)."""
+    progress = Path(out + ".progress") if os.environ.get("LOCAL_RANK", "0") == "0" else None
+
+    def report(line: str) -> None:
+        if progress is not None:
+            with progress.open("a") as stream:
+                stream.write(line + "\n")
+
     labels: List[str] = ["start-up"]
+    report("warm-up: one fit per job and strategy")
     for job, baseline, ours in JOBS:
         for strategy in (baseline, ours):
-            _fit(job, strategy, 0, 1)  # warm-up, counted under "start-up"
-    rank = 0
-    for repeat in range(REPEATS):
-        for job, baseline, ours in JOBS:
-            for strategy in (baseline, ours):
-                callback = _counting_callback(f"{job}|{strategy}|{repeat}", labels)
-                rank = _fit(job, strategy, 0, 1 + counted_epochs, [callback])["rank"]
+            _fit(job, strategy, 0, 1)  # counted under "start-up"
+    fits = [(repeat, job, strategy) for repeat in range(REPEATS) for job, *pair in JOBS for strategy in pair]
+    for number, (repeat, job, strategy) in enumerate(fits, 1):
+        report(f"fit {number} of {len(fits)}: {job} job, {strategy}")
+        callback = _counting_callback(f"{job}|{strategy}|{repeat}", labels)
+        _fit(job, strategy, 0, 1 + counted_epochs, [callback])
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    if rank == 0:
+    if progress is not None:
         Path(out).write_text(json.dumps(labels))
 
 
@@ -114,6 +123,20 @@ def verdict(ratios: Sequence[float], target: float) -> str:
     return "FAIL" if all(ratio > target for ratio in ratios) else "split (the counts did not repeat)"
 
 
+def _print_progress(run: "Future[Any]", progress: Path) -> None:
+    """Echo the worker's progress lines to stderr, with the minutes since the start, until ``run`` is done."""
+    start, shown = time.monotonic(), 0
+    while True:
+        done = run.done()  # read before the lines, so the last lines are shown too
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        for line in lines[shown:]:
+            print(f"  [{(time.monotonic() - start) / 60:4.1f} min] {line}", file=sys.stderr, flush=True)
+        shown = len(lines)
+        if done:
+            return
+        time.sleep(2)
+
+
 def count(counted_epochs: int, workdir: str) -> Dict[str, int]:
     """Run the worker under callgrind; instructions per labelled dump."""
     prefix = os.path.join(workdir, "rank0.out")
@@ -126,7 +149,10 @@ def count(counted_epochs: int, workdir: str) -> Dict[str, int]:
     drop = ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-    status, stderr = run_process_tree(command, timeout=RUN_TIMEOUT_S, cwd=workdir, env=env, capture=True)
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(run_process_tree, command, timeout=RUN_TIMEOUT_S, cwd=workdir, env=env, capture=True)
+        _print_progress(run, Path(labels_path + ".progress"))
+        status, stderr = run.result()
     if status != 0 or not os.path.exists(labels_path):
         raise RuntimeError(f"the callgrind run exited with status {status}:\n{stderr[-3000:]}")
     labels: List[str] = json.loads(Path(labels_path).read_text())
@@ -151,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: apt-get install valgrind (or see strategy_overhead.py for timings)")
         return 1
-    print("Counting rank 0 under callgrind (about 10 minutes)...", file=sys.stderr, flush=True)
+    print("Counting rank 0 under callgrind (about 10 minutes; torch and Lightning import first)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         counts = count(args.epochs, workdir)
     print(f"{'job':7} {'strategy':32} " + " ".join(f"{f'repeat {r + 1}':>12}" for r in range(REPEATS)))
