@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: apt-get install valgrind (or see strategy_overhead.py for timings)")
         return 1
-    print("Counting rank 0 under callgrind (about 10 minutes; torch and Lightning import first)...", file=sys.stderr, flush=True)
+    print("Counting rank 0 under callgrind (about 10 minutes)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         counts = count(args.epochs, workdir)
     print(f"{'job':7} {'strategy':32} " + " ".join(f"{f'repeat {r + 1}':>12}" for r in range(REPEATS)))
