@@ -46,7 +46,8 @@ RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_
 	test_a_fit_ended_by_max_steps_and_resumed_twice_with_a_reshuffling_sampler_trains_as_the_uninterrupted_run \
 	test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warning_naming_the_fix \
 	test_a_fit_resumed_after_an_epochs_last_batch_and_interrupted_again_trains_as_the_uninterrupted_run \
-	test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once)
+	test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once \
+	test_a_fit_resumed_by_epochs_after_one_stopped_inside_an_epoch_warns_that_its_rest_is_not_trained)
 # Lightning 2.2 (and 2.3) makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
 # and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
 SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \

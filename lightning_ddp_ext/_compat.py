@@ -454,6 +454,29 @@ def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]])
     return None
 
 
+def epoch_left_unfinished(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
+    """``(epoch, batches trained in it)`` when ``fit`` resumes by ``max_epochs`` alone (``max_steps`` unset)
+    from the checkpoint of a fit that stopped before the epoch's last batch; None otherwise. Read as
+    :func:`mid_epoch_resume` reads the progress, while the training loaders are set up.
+
+    A fit that ``trainer.should_stop`` (a ``Timer``, ``max_time``, ``EarlyStopping``) or ``max_steps`` ends inside
+    an epoch still runs the epoch-end hooks, where ``ModelCheckpoint`` writes a checkpoint that is processed but
+    not completed (see :func:`_restarted_epoch`). Resumed with ``max_steps`` set, Lightning goes on with the
+    epoch's remaining batches; without it, it starts the next epoch, and they are never trained, with any
+    strategy. An epoch that ``limit_train_batches`` ended has the same shape: compare the count returned with
+    ``trainer.num_training_batches``. Lightning does not mark its loops as restarting from such a checkpoint
+    (2.6's "resumed on epoch end"), so the progress is read from them as restored, before the fit loop's reset."""
+    fit_loop = trainer.fit_loop
+    if trainer.ckpt_path is None or fit_loop.max_steps != -1:
+        return None
+    restored = _restored_progress(trainer) or (fit_loop.epoch_progress, fit_loop.epoch_loop.batch_progress)
+    epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
+    ended = epochs.started == epochs.ready == epochs.processed and epochs.completed == epochs.processed - 1
+    if not ended or _last_batch_done(restored[1]):
+        return None
+    return int(epochs.completed), int(restored[1].current.completed)
+
+
 def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     """``(epoch, batches already trained in it)`` when ``fit`` resumes from a mid-epoch checkpoint, else None.
     The epoch is the one whose batches were trained (see :func:`_restarted_epoch`): the rest is dealt in its order.

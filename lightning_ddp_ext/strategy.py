@@ -399,6 +399,8 @@ class CustomDDP(DDPStrategy):
         # the wrapper that gave it). Dropped when the fit ends.
         self._epochs_given: Dict[int, Tuple[object, int, _Wrapper]] = {}
         self._deals_current_epoch = False  # see _prepare_first_epoch
+        # (epoch, batches trained) of an epoch a resumed fit leaves unfinished (see `_warn_of_unfinished_epoch`).
+        self._unfinished_epoch: Optional[Tuple[int, int]] = None
         #: The number of ranks that wrote the checkpoint last loaded (None: not recorded, see `save_checkpoint`).
         self._checkpoint_world_size: Optional[int] = None
         self._warned_unsharded: set[tuple[Optional[RunningStage], str]] = set()
@@ -486,6 +488,7 @@ class CustomDDP(DDPStrategy):
         self._prepared_with = {}
         self._epochs_given = {}
         self._deals_current_epoch = False
+        self._unfinished_epoch = None
         self._refuse_more_processes_than_devices()
         super().setup_environment()
         trainer = self._attached_trainer
@@ -1108,6 +1111,8 @@ class CustomDDP(DDPStrategy):
         """
         sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
         epoch, dealt, resume = plan = self._first_epoch_plan(loader, trainer)
+        trains = _compat.fit_trains_an_epoch(trainer)
+        self._unfinished_epoch = _compat.epoch_left_unfinished(trainer) if trains else None
         self._prepared_with[id(loader)] = plan
         # A fit resumed inside an epoch that max_steps ended: its loop passes set_epoch one more than the epoch it
         # runs, to the end of the fit (see _compat._restarted_epoch); its training loaders deal the epoch it runs.
@@ -1400,12 +1405,31 @@ class CustomDDP(DDPStrategy):
             and trainer.ckpt_path is not None and trainer.fit_loop.restarting
         ):
             self._warn_training_loaders_not_prepared("load_optimizer_state_dict was not called after the restore")
+        self._warn_of_unfinished_epoch(trainer)
         closed = _compat.close_epoch_restored_after_its_last_batch(trainer) if trainer is not None else None
         if closed is not None:
             rank_zero_info(
                 f"{type(self).__name__}: the checkpoint was written after the last of its epoch's {closed[0]} batches;"
                 f" the next epoch has {closed[1]} and is trained from its first."
             )
+
+    def _warn_of_unfinished_epoch(self, trainer: Optional[Trainer]) -> None:
+        """Warn when the fit resumes, by ``max_epochs`` alone, from a checkpoint written after a fit stopped inside
+        an epoch (see ``_compat.epoch_left_unfinished``): Lightning starts the next epoch, and the rest of that one
+        is never trained, silently, with any strategy. Called as training starts, once Lightning has counted the
+        epoch's batches (``num_training_batches``), which an epoch that ``limit_train_batches`` ended reaches."""
+        unfinished, self._unfinished_epoch = self._unfinished_epoch, None
+        if trainer is None or unfinished is None or unfinished[1] >= trainer.num_training_batches:
+            return
+        epoch, done = unfinished
+        rank_zero_warn(
+            f"{type(self).__name__}: the checkpoint was written after the fit stopped inside epoch {epoch}, {done}"
+            " batch(es) into it on each rank (trainer.should_stop: a Timer, max_time or EarlyStopping; or max_steps)."
+            f" Resumed by max_epochs alone, Lightning starts epoch {epoch + 1}: the rest of epoch {epoch} is not"
+            " trained (with any strategy). To train it, resume with max_steps set (Lightning then goes on with that"
+            " epoch's remaining batches), or from a checkpoint written inside the epoch"
+            " (ModelCheckpoint(every_n_train_steps=...))."
+        )
 
     @override
     def on_train_end(self) -> None:

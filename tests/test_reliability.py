@@ -477,6 +477,26 @@ def test_a_fit_ended_by_max_steps_and_resumed_by_epochs_trains_the_next_epoch_wh
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_fit_resumed_by_epochs_after_one_stopped_inside_an_epoch_warns_that_its_rest_is_not_trained(
+    resume_edge_runs: Dict[str, List[Dict[str, Any]]]
+) -> None:
+    """The checkpoint ModelCheckpoint writes when a fit stops inside an epoch (max_steps here; a Timer, max_time or
+    EarlyStopping leave the same progress) counts the epoch as processed: resumed by max_epochs alone, Lightning
+    starts the next epoch and the rest of that one is never trained, with any strategy. CustomDDP says so, once,
+    with the numbers and what to do; nothing else warns of it: not a fit resumed with max_steps (Lightning goes on
+    with the rest), nor one from an epoch that limit_train_batches ended, nor any other resume."""
+    def said(run: str) -> List[str]:
+        return [w for w in resume_edge_runs[run][0]["facts"]["warnings"] if "the fit stopped inside epoch" in w]
+
+    (warning,) = said("ended_by_max_steps_resumed_by_epochs")
+    assert "stopped inside epoch 0, 3 batch(es) into it on each rank" in warning, warning
+    assert "Lightning starts epoch 1: the rest of epoch 0 is not trained" in warning, warning
+    assert "resume with max_steps set" in warning and "every_n_train_steps" in warning, warning
+    others = [run for run in resume_edge_runs if run != "ended_by_max_steps_resumed_by_epochs" and said(run)]
+    assert not others, others
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resumes_without_a_warning(
     resume_edge_runs: Dict[str, List[Dict[str, Any]]]
 ) -> None:
