@@ -437,9 +437,12 @@ def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]])
     That is an epoch started but not processed (a checkpoint written during it), or one whose epoch-end hooks
     ran before its last batch: ``max_steps`` or ``trainer.should_stop`` ended the fit there, and the checkpoint
     ``ModelCheckpoint`` writes then is processed but not completed. Lightning goes on with the epoch's remaining
-    batches from either (from the same shape after the last batch, with the next epoch). For the second, fit
-    loops with restart stages pass the processed count to ``set_epoch`` (one more than the ended epoch's: they
-    count its rest as an epoch of its own), older ones (2.2) the completed one (the ended epoch's)."""
+    batches from either (from the same shape after the last batch, with the next epoch); from the second only when
+    the resumed fit sets ``max_steps``: by ``max_epochs`` alone it starts the next epoch (2.6 does not even mark
+    its loops as restarting then, so ``_restored_progress`` finds nothing to resume; see
+    :func:`epoch_left_unfinished`). For the second, fit loops with restart stages pass the processed count to
+    ``set_epoch`` (one more than the ended epoch's: they count its rest as an epoch of its own), older ones (2.2)
+    the completed one (the ended epoch's)."""
     if restored is None:
         return None
     epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
