@@ -16,6 +16,7 @@ import os
 import weakref
 import zlib
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from functools import cache, partial
 from itertools import chain
 from operator import attrgetter
@@ -81,6 +82,39 @@ _AVERAGE_BUFFER_BYTES = 25 * 2**20
 # Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
 # `CustomDDP._average_held_gradients`); any other takes the parameter's dtype.
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
+
+
+def _check_process_group_arguments(kwargs: Dict[str, Any], owner: str) -> None:
+    """Refuse a ``timeout`` that is not a ``timedelta`` and a ``process_group_backend`` torch does not know.
+
+    Lightning hands both to ``init_process_group`` unchecked, so a mistake (``timeout=1800``, a misspelt
+    backend) failed only inside every rank, after the processes were started, with torch's message; an unknown
+    backend with ``AssertionError: Unknown backend type``, which does not say what is known."""
+    timeout = kwargs.get("timeout")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        hint = f" timeout=timedelta(seconds={timeout!r})" if isinstance(timeout, (int, float)) else ""
+        raise TypeError(
+            f"{owner}(timeout={timeout!r}): the process-group timeout must be a datetime.timedelta, for example"
+            f"{hint or ' timeout=timedelta(minutes=30)'} (from datetime import timedelta)."
+        )
+    backend = kwargs.get("process_group_backend")
+    if backend is None or not dist.is_available():
+        return
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"{owner}(process_group_backend={backend!r}): give the backend's name as a string, for example 'gloo'."
+        )
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    # "gloo", or per device as in init_process_group: "cpu:gloo,cuda:nccl"
+    for part in backend.split(","):
+        name = part.rpartition(":")[2].strip().lower()
+        if name not in known:
+            raise ValueError(
+                f"{owner}(process_group_backend={backend!r}): torch.distributed knows no backend {name!r}. Known:"
+                f" {', '.join(map(repr, known))} (or one per device, e.g. 'cpu:gloo,cuda:nccl'); a third-party"
+                " backend must be registered with torch.distributed.Backend.register_backend before the strategy is"
+                " made. Leave it out for NCCL on GPUs and Gloo on CPUs."
+            )
 
 
 def _refuse_keywords_ddp_does_not_take(kwargs: Dict[str, Any], owner: str) -> None:
@@ -370,6 +404,7 @@ class CustomDDP(DDPStrategy):
         shuffle_window = _check_shuffle_window(shuffle_window, type(self).__name__)
         if seed is not None:
             _check_seed(seed, type(self).__name__)
+        _check_process_group_arguments(kwargs, type(self).__name__)
         super().__init__(**kwargs)
         if type(self).configure_ddp is CustomDDP.configure_ddp:  # an override may take keywords of its own
             _refuse_keywords_ddp_does_not_take(self.ddp_kwargs, type(self).__name__)

@@ -323,6 +323,40 @@ def test_keywords_the_model_wrapper_does_not_take_are_refused_at_construction(
     CustomDDP(find_unused_parameters=True, static_graph=True, bucket_cap_mb=10, gradient_as_bucket_view=True)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"timeout": 1800}, TypeError, "CustomDDP(timeout=1800): the process-group timeout must be a datetime."
+         "timedelta, for example timeout=timedelta(seconds=1800)"),
+        ({"timeout": "30m"}, TypeError, "for example timeout=timedelta(minutes=30)"),
+        ({"process_group_backend": "glo"}, ValueError, "knows no backend 'glo'. Known: 'gloo', 'nccl'"),
+        ({"process_group_backend": "cpu:gloo,cuda:ncl"}, ValueError, "knows no backend 'ncl'"),
+        ({"process_group_backend": torch.device("cpu")}, TypeError, "give the backend's name as a string"),
+    ],
+)
+def test_a_bad_timeout_or_backend_is_refused_at_construction(
+    kwargs: Dict[str, Any], error: type, words: str
+) -> None:
+    """Lightning hands both to init_process_group unchecked: they failed in every rank after launch, an unknown
+    backend with an AssertionError that lists nothing."""
+    with pytest.raises(error) as raised:
+        CustomDDP(**kwargs)
+    assert words in str(raised.value), str(raised.value)
+
+
+def test_timeouts_and_backends_torch_takes_are_accepted() -> None:
+    """Per-device backend strings, any case, a registered third-party backend (it registers for this process)."""
+    from datetime import timedelta
+
+    if "lddpext_test" not in torch.distributed.Backend.backend_list:
+        torch.distributed.Backend.register_backend("lddpext_test", lambda *args: None, devices=["cpu"])
+    for backend in ("gloo", "GLOO", "cpu:gloo,cuda:nccl", "lddpext_test"):
+        strategy = CustomDDP(parallel_devices=[torch.device("cpu")], process_group_backend=backend)
+        assert strategy.select_process_group_backend() == backend
+    CustomDDP(timeout=timedelta(seconds=5))
+    CustomDDP(timeout=None)
+
+
 def test_returning_the_model_itself_on_several_ranks_warns() -> None:
     """It may synchronise by itself (torch's composable replicate()), so a warning, not an error."""
     from lightning.fabric.plugins.environments import LightningEnvironment
