@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import lightning
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from packaging.version import Version
@@ -73,7 +74,8 @@ def test_static_graph_flush_flag() -> None:
 
 def test_comm_hook_states() -> None:
     """torch's DDP keeps (hook, state) pairs in ``_comm_hooks``; without them, the strategy's own state."""
-    assert "self._comm_hooks.append((hook, state))" in inspect.getsource(DistributedDataParallel.register_comm_hook)
+    if Version(torch.__version__.split("+")[0]) >= Version("2.3"):  # 2.1 and 2.2 keep no such list (checked)
+        assert "self._comm_hooks.append((hook, state))" in inspect.getsource(DistributedDataParallel.register_comm_hook)
     state, other = object(), object()
 
     class Wrapper:
