@@ -450,8 +450,7 @@ def _restarted_epoch(trainer: "pl.Trainer", restored: Optional[tuple[Any, Any]])
         return None
     if epochs.processed == epochs.started - 1:
         return int(epochs.processed), int(epochs.processed), restored[1]
-    ended_early = epochs.processed == epochs.started and epochs.completed == epochs.processed - 1
-    if ended_early and not _last_batch_done(restored[1]):
+    if _stopped_inside_epoch(restored):
         stages = hasattr(trainer.fit_loop, "resumed_on_epoch_end")
         return int(epochs.processed if stages else epochs.completed), int(epochs.completed), restored[1]
     return None
@@ -473,11 +472,17 @@ def epoch_left_unfinished(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     if trainer.ckpt_path is None or fit_loop.max_steps != -1:
         return None
     restored = _restored_progress(trainer) or (fit_loop.epoch_progress, fit_loop.epoch_loop.batch_progress)
+    if not _stopped_inside_epoch(restored):
+        return None
+    return int(restored[0].current.completed), int(restored[1].current.completed)
+
+
+def _stopped_inside_epoch(restored: tuple[Any, Any]) -> bool:
+    """Whether the restored ``(epoch progress, batch progress)`` is of an epoch whose epoch-end hooks ran before its
+    last batch (``max_steps`` or ``trainer.should_stop`` ended the fit inside it): processed, not completed."""
     epochs: Any = restored[0].current  # a _ProcessedTracker, typed as its base class
     ended = epochs.started == epochs.ready == epochs.processed and epochs.completed == epochs.processed - 1
-    if not ended or _last_batch_done(restored[1]):
-        return None
-    return int(epochs.completed), int(restored[1].current.completed)
+    return ended and not _last_batch_done(restored[1])
 
 
 def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:

@@ -1155,7 +1155,7 @@ class CustomDDP(DDPStrategy):
         if wrapper is not None and self._deals_current_epoch:
             wrapper._loop_epoch_to_deal = _compat.TrainingEpochToDeal(trainer)
         # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
-        if sampler is not None and epoch is not None and _compat.fit_trains_an_epoch(trainer):
+        if sampler is not None and epoch is not None and trains:
             if isinstance(sampler, _WRAPPER_TYPES):
                 # The user's object may be at another epoch than a new wrapper: an earlier wrapper moved it on (a
                 # tuner's run of more than an epoch before the fit), and an iterator made before the loop's
