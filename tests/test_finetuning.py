@@ -290,13 +290,20 @@ def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
     return errors
 
 
+# Torch 2.13 lets a parameter's gradient have a dtype of its own (grad_dtype); torch 2.6 does not.
+GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
+
+
 def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
     """On a real gloo group: gradients held on rank 0 only, one of them sparse, one of another dtype than its
-    parameter's (torch's grad_dtype), one held nowhere; and one held on both ranks, in several buffers."""
+    parameter's (torch's grad_dtype, where torch has it), one held nowhere; and one held on both ranks, in
+    several buffers."""
     embedding = torch.nn.Embedding(4, 2, sparse=True)
     dense, nowhere = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    half.grad_dtype = torch.float32  # type: ignore[attr-defined]
+    half_grad_dtype = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
+    if GRAD_DTYPE_SETTABLE:
+        half.grad_dtype = torch.float32  # type: ignore[attr-defined]
     both = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
     for number, parameter in enumerate(both):
         parameter.grad = torch.full((2,), 2.0 * rank + number)
@@ -305,7 +312,8 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
     if rank == 0:
         embedding(torch.tensor([1, 1])).sum().backward()  # sparse gradient: 2 on row 1
         dense.grad = torch.full((3,), 2.0)
-        half.grad = torch.full((3,), 2.0)  # a float32 gradient: without the agreement rank 1 makes bf16 zeros
+        # a float32 gradient where torch allows: without the agreement rank 1 would make bfloat16 zeros
+        half.grad = torch.full((3,), 2.0, dtype=half_grad_dtype)
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
     reduced: List[Any] = []  # what each all-reduce took: its number of elements, or "sparse"
     all_reduce = torch.distributed.all_reduce
@@ -333,16 +341,19 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
 def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
     """The ranks without one take zeros of the same layout (sparse here) and dtype, and enter the same
     all-reduces."""
+    # the agreement (3 rows of 8), the sparse gradient, then flat float32 buffers of at most 16 bytes: dense (12),
+    # half's float32 gradient (12), both[0] and both[1] (8 + 8), both[2] (8); then float16. Where half's gradient
+    # is bfloat16 it gets a buffer of its own, after the float32 ones.
+    reduced = [24, "sparse", 3, 3, 4, 2, 1] if GRAD_DTYPE_SETTABLE else [24, "sparse", 3, 4, 2, 3, 1]
+    half_dtype = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
     for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
         assert result == {
-            # the agreement (3 rows of 8), the sparse gradient, then flat float32 buffers of at most 16 bytes:
-            # dense (12), half's float32 gradient (12), both[0] and both[1] (8 + 8), both[2] (8); then float16
-            "reduced": [24, "sparse", 3, 3, 4, 2, 1],
+            "reduced": reduced,
             "sparse": True,
             "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]],
             "dense": [1.0] * 3,
             "nowhere": None,
-            "half": (torch.float32, [1.0] * 3),
+            "half": (half_dtype, [1.0] * 3),
             "both": [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]],
             "large": [40000.0],
         }, (rank, result)
