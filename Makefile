@@ -4,8 +4,10 @@ VENV ?= .venv
 VENV_LOWEST ?= .venv-lowest
 # A CPU wheel of this torch ships with our machines (pip's find-links); elsewhere pip takes it from the index.
 TORCH ?= torch==2.13.0
-# The lowest supported Lightning (setup.cfg's lower bound), tested by `make test-lowest`.
+# The lowest supported Lightning and torch (setup.cfg's lower bounds), tested together by `make test-lowest`. No
+# CPU wheel of this torch ships with our machines: pip takes it from the index (a CUDA build, about 3 GB in all).
 LIGHTNING_LOWEST ?= lightning==2.2.0
+TORCH_LOWEST ?= torch==2.6.0
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
@@ -20,7 +22,7 @@ $(VENV)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 $(VENV_LOWEST)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	$(PYTHON) -m venv $(VENV_LOWEST)
 	# Lightning < 2.4 imports pkg_resources, which setuptools 81 removed.
-	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH)" "$(LIGHTNING_LOWEST)" "setuptools>=77,<81"
+	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) "$(TORCH_LOWEST)" "$(LIGHTNING_LOWEST)" "setuptools>=77,<81"
 	$(VENV_LOWEST)/bin/pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
 
@@ -32,7 +34,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
 
-## make test-lowest: the Lightning-facing tests (strategy, evaluation, resumes (also on another number of ranks), exit clean-up, failure reports, the sharded scaler) against the lowest supported Lightning
+## make test-lowest: on the lowest supported Lightning and torch, the framework-free tests (samplers, dataloader patching, sync, the epoch store) and the Lightning-facing ones (strategy, evaluation, resumes (also on another number of ranks), exit clean-up, failure reports, the sharded scaler)
+FRAMEWORK_FREE_TESTS = tests/test_samplers.py tests/test_dataloader.py tests/test_sync.py tests/test_store.py \
+	tests/test_distributed_helpers.py
 RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
 	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch \
 	test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run \
@@ -53,8 +57,8 @@ RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_
 SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \
 	test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process)
 test-lowest: $(VENV_LOWEST)/.installed
-	$(VENV_LOWEST)/bin/python -c "import lightning; print('lightning', lightning.__version__)"
-	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RELIABILITY_TESTS) $(SHARDED_LOWEST_TESTS)
+	$(VENV_LOWEST)/bin/python -c "import lightning, torch; print('lightning', lightning.__version__, 'torch', torch.__version__)"
+	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" $(FRAMEWORK_FREE_TESTS) tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RELIABILITY_TESTS) $(SHARDED_LOWEST_TESTS)
 
 ## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
 typecheck: $(VENV)/.installed

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+from packaging.version import Version
 
 import lightning_ddp_ext
 
@@ -296,16 +297,21 @@ def test_compatibility_page_names_the_tested_versions() -> None:
     page = (DOCS / "compatibility.rst").read_text()
     makefile = (ROOT / "Makefile").read_text()
     lowest = re.search(r"^LIGHTNING_LOWEST \?= lightning==(\S+)", makefile, re.M)
+    torch_lowest = re.search(r"^TORCH_LOWEST \?= torch==(\S+)", makefile, re.M)
     torch_pin = re.search(r"^TORCH \?= torch==(\S+)", makefile, re.M)
-    assert lowest and torch_pin
+    assert lowest and torch_lowest and torch_pin
     from lightning_ddp_ext import _compat
 
     highest = _compat.LIGHTNING_CHECKED[1].lstrip("<=")
-    for version in (lowest.group(1), torch_pin.group(1), highest):
+    for version in (lowest.group(1), torch_lowest.group(1), torch_pin.group(1), highest):
         assert version in page, f"the compatibility page does not mention {version}"
     setup_cfg = (ROOT / "setup.cfg").read_text()
     for requirement in re.findall(r"^\s+((?:torch|lightning)[<>=!,.*\d]+)\s*$", setup_cfg, re.M):
         assert requirement in page, f"the compatibility page does not state {requirement} from setup.cfg"
+    # make test-lowest tests the declared floors, not versions above them
+    for name, pinned in (("lightning", lowest.group(1)), ("torch", torch_lowest.group(1))):
+        floor = re.search(rf"^\s+{name}>=([\d.]+)", setup_cfg, re.M)
+        assert floor and Version(pinned).release[:2] == Version(floor.group(1)).release[:2], (name, pinned)
 
 
 def test_dealing_diagram_is_current(tmp_path: Path) -> None:
