@@ -290,8 +290,10 @@ def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
     return errors
 
 
-# Torch 2.13 lets a parameter's gradient have a dtype of its own (grad_dtype); torch 2.6 does not.
+# Torch 2.13 lets a parameter's gradient have a dtype of its own (grad_dtype); torch 2.6 does not. The dtype of
+# the bfloat16 parameter's gradient in _average_partly_held.
 GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
+HALF_GRAD_DTYPE = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
 
 
 def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
@@ -301,9 +303,8 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
     embedding = torch.nn.Embedding(4, 2, sparse=True)
     dense, nowhere = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    half_grad_dtype = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
     if GRAD_DTYPE_SETTABLE:
-        half.grad_dtype = torch.float32  # type: ignore[attr-defined]
+        half.grad_dtype = HALF_GRAD_DTYPE  # type: ignore[attr-defined]
     both = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
     for number, parameter in enumerate(both):
         parameter.grad = torch.full((2,), 2.0 * rank + number)
@@ -313,7 +314,7 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
         embedding(torch.tensor([1, 1])).sum().backward()  # sparse gradient: 2 on row 1
         dense.grad = torch.full((3,), 2.0)
         # a float32 gradient where torch allows: without the agreement rank 1 would make bfloat16 zeros
-        half.grad = torch.full((3,), 2.0, dtype=half_grad_dtype)
+        half.grad = torch.full((3,), 2.0, dtype=HALF_GRAD_DTYPE)
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
     reduced: List[Any] = []  # what each all-reduce took: its number of elements, or "sparse"
     all_reduce = torch.distributed.all_reduce
@@ -345,7 +346,6 @@ def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
     # half's float32 gradient (12), both[0] and both[1] (8 + 8), both[2] (8); then float16. Where half's gradient
     # is bfloat16 it gets a buffer of its own, after the float32 ones.
     reduced = [24, "sparse", 3, 3, 4, 2, 1] if GRAD_DTYPE_SETTABLE else [24, "sparse", 3, 4, 2, 3, 1]
-    half_dtype = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
     for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
         assert result == {
             "reduced": reduced,
@@ -353,7 +353,7 @@ def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
             "embedding": [[0, 0], [1, 1], [0, 0], [0, 0]],
             "dense": [1.0] * 3,
             "nowhere": None,
-            "half": (half_dtype, [1.0] * 3),
+            "half": (HALF_GRAD_DTYPE, [1.0] * 3),
             "both": [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]],
             "large": [40000.0],
         }, (rank, result)
