@@ -17,9 +17,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, cast
 
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -287,6 +289,11 @@ class _Launcher(_MultiProcessingLauncher):
       peer") and one of them may well exit first, which hid the cause. Each failing rank records its error in a
       folder the launching process made, before it exits and closes its connections; the first record is made
       atomically, and the launching process raises that one.
+    - On CPU, ``forkserver`` ranks get a model of their own. Both ``spawn`` and ``forkserver`` send the model
+      through torch's pickler, which moves CPU tensors to shared memory: every rank then trains the *same*
+      parameters, and each optimizer step is applied once per rank (silently wrong weights, which differ from
+      run to run). Lightning copies the module's tensors in each rank for ``spawn`` only; this does it for
+      ``forkserver`` too, for the modules passed to the call and the one attached to the trainer.
 
     A launch that succeeds costs a temporary folder. (A class, not patched methods: the launcher is pickled
     along with the trainer.)
@@ -332,10 +339,23 @@ class _Launcher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         """Lightning's function run in each started process, which records the error it fails with."""
         try:
+            if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
+                trainer, _, function_args, function_kwargs = args[:4]  # as Lightning passes them (test_compat)
+                _unshare_module_memory(trainer, function_args, function_kwargs)
             super()._wrapping_function(process_idx, *args, **kwargs)
         except Exception:  # as torch.multiprocessing's wrapper, which reports these
             _record_failure(self._failures, process_idx, traceback.format_exc())
             raise
+
+
+def _unshare_module_memory(trainer: Optional["pl.Trainer"], function_args: Any, function_kwargs: Any) -> None:
+    """Give this rank its own copy of the tensors of the modules it was sent (as Lightning does for ``spawn``
+    on CPU): those passed to the trainer's call, and the module attached to the trainer, which ``validate()``
+    and the like use when given no model."""
+    _disable_module_memory_sharing((function_args, function_kwargs))
+    attached = trainer.lightning_module if trainer is not None else None
+    if attached is not None and any(tensor.is_shared() for tensor in (*attached.parameters(), *attached.buffers())):
+        _disable_module_memory_sharing(attached)
 
 
 _FIRST_FAILURE = "first"

@@ -146,12 +146,13 @@ def test_evaluation_loop_knows_its_combined_loader_and_progress() -> None:
 
 
 def test_multiprocessing_launcher_hooks() -> None:
-    """`_compat._Launcher` records a rank's error around `_wrapping_function(process_idx, ...)` and names the
-    process that failed first from `self.procs`, which `launch` sets."""
+    """`_compat._Launcher` records a rank's error around `_wrapping_function(process_idx, ...)` (whose trainer and
+    call arguments it reads for forkserver ranks) and names the process that failed first from `self.procs`,
+    which `launch` sets."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
     parameters = list(inspect.signature(_MultiProcessingLauncher._wrapping_function).parameters)
-    assert parameters[:2] == ["self", "process_idx"]
+    assert parameters[:6] == ["self", "process_idx", "trainer", "function", "args", "kwargs"]
     assert "self.procs = process_context.processes" in inspect.getsource(_MultiProcessingLauncher.launch)
     for start_method in ("spawn", "fork", "forkserver"):
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(start_method=start_method), logger=False)

@@ -721,6 +721,41 @@ def test_the_main_process_saves_a_checkpoint_after_a_spawn_fit(tmp_path: Path) -
     assert torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["state_dict"]
 
 
+class FitsOnesToOne(pl.LightningModule):
+    """``w . x`` fitted to 1 on rows of ones: every batch is the same, so each DDP step equals one step of one
+    process on one batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.constant_(self.net.weight, 0.25)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.net(batch[0]) - 1).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_forkserver_ranks_on_cpu_train_parameters_of_their_own() -> None:
+    """torch's pickler moves the model's CPU tensors to shared memory for ``forkserver`` as for ``spawn``, and
+    Lightning gives each rank its own copy for ``spawn`` only: two ``forkserver`` ranks trained one set of
+    parameters, each step applied twice (weights that also changed from run to run)."""
+    rows, batch_size = 16, 2
+    expected = FitsOnesToOne()
+    optimizer = expected.configure_optimizers()
+    for _ in range(rows // batch_size // 2):  # the steps of one epoch, on each of 2 ranks
+        optimizer.zero_grad()
+        expected.training_step((torch.ones(batch_size, 2),), 0).backward()
+        optimizer.step()
+    model = FitsOnesToOne()
+    strategy = CustomDDP(start_method="forkserver", timeout=TEST_PG_TIMEOUT)
+    pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1)).fit(
+        model, DataLoader(TensorDataset(torch.ones(rows, 2)), batch_size=batch_size)
+    )
+    torch.testing.assert_close(model.net.weight, expected.net.weight)
+
+
 def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(tmp_path: Path) -> None:
     """Resumed at max_epochs, Lightning's loop starts no epoch and sets none; the strategy set one ahead of it
     (a curriculum sampler advanced once more, and the repeat it expected never came)."""
