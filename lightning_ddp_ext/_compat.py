@@ -23,7 +23,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -294,17 +294,23 @@ class _Launcher(_MultiProcessingLauncher):
       parameters, and each optimizer step is applied once per rank (silently wrong weights, which differ from
       run to run). Lightning copies the module's tensors in each rank for ``spawn`` only; this does it for
       ``forkserver`` too, for the modules passed to the call and the one attached to the trainer.
+    - ``forkserver`` ranks get the launching process's torch flags and random states, as ``spawn`` ranks do
+      (Lightning sends them for ``spawn`` only): a forkserver rank is a fork of a server started once, with
+      neither, so ``Trainer(deterministic=True)`` did not reach it.
 
     A launch that succeeds costs a temporary folder. (A class, not patched methods: the launcher is pickled
     along with the trainer.)
     """
 
     _failures: Optional[str] = None  # the records' folder, during a launch
+    _forkserver_states: Optional[_GlobalStateSnapshot] = None  # what forkserver ranks restore, during a launch
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         with tempfile.TemporaryDirectory(prefix="lightning_ddp_ext-failures-") as failures:
             self._failures = failures
+            if self._start_method == "forkserver":
+                self._forkserver_states = _GlobalStateSnapshot.capture()
             try:
                 return super().launch(function, *args, trainer=trainer, **kwargs)
             except PICKLING_ERRORS as error:
@@ -319,6 +325,7 @@ class _Launcher(_MultiProcessingLauncher):
                 raise first from None
             finally:
                 self._failures = None
+                self._forkserver_states = None
 
     def _naming_unpicklable(
         self, error: Exception, function: Callable, args: tuple[Any, ...], kwargs: Dict[str, Any]
@@ -339,6 +346,8 @@ class _Launcher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         """Lightning's function run in each started process, which records the error it fails with."""
         try:
+            if self._forkserver_states is not None:
+                self._forkserver_states.restore()
             if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
                 trainer, _, function_args, function_kwargs = args[:4]  # as Lightning passes them (test_compat)
                 _unshare_module_memory(trainer, function_args, function_kwargs)

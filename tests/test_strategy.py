@@ -731,29 +731,42 @@ class FitsOnesToOne(pl.LightningModule):
         torch.nn.init.constant_(self.net.weight, 0.25)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return (self.net(batch[0]) - 1).pow(2).mean()
+        deterministic = float(torch.are_deterministic_algorithms_enabled())
+        self.log("deterministic_on_every_rank", deterministic, sync_dist=True, reduce_fx="min")
+        return self.loss(batch[0])
+
+    def loss(self, rows: torch.Tensor) -> torch.Tensor:
+        return (self.net(rows) - 1).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_forkserver_ranks_on_cpu_train_parameters_of_their_own() -> None:
+def test_forkserver_ranks_on_cpu_train_parameters_of_their_own_with_the_trainer_s_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """torch's pickler moves the model's CPU tensors to shared memory for ``forkserver`` as for ``spawn``, and
     Lightning gives each rank its own copy for ``spawn`` only: two ``forkserver`` ranks trained one set of
-    parameters, each step applied twice (weights that also changed from run to run)."""
+    parameters, each step applied twice (weights that also changed from run to run). Lightning also sends
+    torch's flags (``deterministic=True``) to ``spawn`` ranks only."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # deterministic=True sets it here: restored after
+    flags_before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     rows, batch_size = 16, 2
     expected = FitsOnesToOne()
     optimizer = expected.configure_optimizers()
     for _ in range(rows // batch_size // 2):  # the steps of one epoch, on each of 2 ranks
         optimizer.zero_grad()
-        expected.training_step((torch.ones(batch_size, 2),), 0).backward()
+        expected.loss(torch.ones(batch_size, 2)).backward()
         optimizer.step()
     model = FitsOnesToOne()
     strategy = CustomDDP(start_method="forkserver", timeout=TEST_PG_TIMEOUT)
-    pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1)).fit(
-        model, DataLoader(TensorDataset(torch.ones(rows, 2)), batch_size=batch_size)
-    )
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, deterministic=True))
+    try:
+        trainer.fit(model, DataLoader(TensorDataset(torch.ones(rows, 2)), batch_size=batch_size))
+    finally:
+        torch.use_deterministic_algorithms(flags_before[0], warn_only=flags_before[1])
     torch.testing.assert_close(model.net.weight, expected.net.weight)
+    assert trainer.callback_metrics["deterministic_on_every_rank"].item() == 1.0
 
 
 def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(tmp_path: Path) -> None:
