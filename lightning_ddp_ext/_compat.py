@@ -277,6 +277,19 @@ def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
     return rebuilt
 
 
+class _LaunchingProcess(NamedTuple):
+    """What a rank started by ``spawn`` shares with the process that launched it, for ``forkserver`` ranks."""
+
+    environ: Dict[str, str]
+    global_states: _GlobalStateSnapshot
+
+    def restore(self) -> None:
+        for name in set(os.environ) - set(self.environ):
+            del os.environ[name]
+        os.environ.update(self.environ)
+        self.global_states.restore()
+
+
 class _Launcher(_MultiProcessingLauncher):
     """Lightning's spawn/fork/forkserver launcher, whose errors name their cause.
 
@@ -294,23 +307,24 @@ class _Launcher(_MultiProcessingLauncher):
       parameters, and each optimizer step is applied once per rank (silently wrong weights, which differ from
       run to run). Lightning copies the module's tensors in each rank for ``spawn`` only; this does it for
       ``forkserver`` too, for the modules passed to the call and the one attached to the trainer.
-    - ``forkserver`` ranks get the launching process's torch flags and random states, as ``spawn`` ranks do
-      (Lightning sends them for ``spawn`` only): a forkserver rank is a fork of a server started once, with
-      neither, so ``Trainer(deterministic=True)`` did not reach it.
+    - ``forkserver`` ranks get the launching process's environment variables, torch flags and random states,
+      as ``spawn`` ranks do. A forkserver rank is a fork of a server started once, at the first launch: it had
+      that launch's environment (a later ``seed_everything``'s ``PL_GLOBAL_SEED`` did not reach it) and no
+      flags (Lightning sends those for ``spawn`` only: ``Trainer(deterministic=True)`` did not reach it).
 
     A launch that succeeds costs a temporary folder. (A class, not patched methods: the launcher is pickled
     along with the trainer.)
     """
 
     _failures: Optional[str] = None  # the records' folder, during a launch
-    _forkserver_states: Optional[_GlobalStateSnapshot] = None  # what forkserver ranks restore, during a launch
+    _forkserver_start: Optional[_LaunchingProcess] = None  # what forkserver ranks take over, during a launch
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         with tempfile.TemporaryDirectory(prefix="lightning_ddp_ext-failures-") as failures:
             self._failures = failures
             if self._start_method == "forkserver":
-                self._forkserver_states = _GlobalStateSnapshot.capture()
+                self._forkserver_start = _LaunchingProcess(dict(os.environ), _GlobalStateSnapshot.capture())
             try:
                 return super().launch(function, *args, trainer=trainer, **kwargs)
             except PICKLING_ERRORS as error:
@@ -325,7 +339,7 @@ class _Launcher(_MultiProcessingLauncher):
                 raise first from None
             finally:
                 self._failures = None
-                self._forkserver_states = None
+                self._forkserver_start = None
 
     def _naming_unpicklable(
         self, error: Exception, function: Callable, args: tuple[Any, ...], kwargs: Dict[str, Any]
@@ -346,8 +360,8 @@ class _Launcher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         """Lightning's function run in each started process, which records the error it fails with."""
         try:
-            if self._forkserver_states is not None:
-                self._forkserver_states.restore()
+            if self._forkserver_start is not None:
+                self._forkserver_start.restore()
             if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
                 trainer, _, function_args, function_kwargs = args[:4]  # as Lightning passes them (test_compat)
                 _unshare_module_memory(trainer, function_args, function_kwargs)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import warnings
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -721,6 +723,9 @@ def test_the_main_process_saves_a_checkpoint_after_a_spawn_fit(tmp_path: Path) -
     assert torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["state_dict"]
 
 
+LAUNCH_MARK = "LIGHTNING_DDP_EXT_TEST_LAUNCH"  # an environment variable set in this process for one launch
+
+
 class FitsOnesToOne(pl.LightningModule):
     """``w . x`` fitted to 1 on rows of ones: every batch is the same, so each DDP step equals one step of one
     process on one batch."""
@@ -733,6 +738,8 @@ class FitsOnesToOne(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         deterministic = float(torch.are_deterministic_algorithms_enabled())
         self.log("deterministic_on_every_rank", deterministic, sync_dist=True, reduce_fx="min")
+        launch_environment = float(os.environ.get(LAUNCH_MARK) == "this launch")
+        self.log("launch_environment_on_every_rank", launch_environment, sync_dist=True, reduce_fx="min")
         return self.loss(batch[0])
 
     def loss(self, rows: torch.Tensor) -> torch.Tensor:
@@ -742,13 +749,16 @@ class FitsOnesToOne(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_forkserver_ranks_on_cpu_train_parameters_of_their_own_with_the_trainer_s_flags(
+def test_forkserver_ranks_on_cpu_train_parameters_of_their_own_with_the_launching_process_s_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """torch's pickler moves the model's CPU tensors to shared memory for ``forkserver`` as for ``spawn``, and
     Lightning gives each rank its own copy for ``spawn`` only: two ``forkserver`` ranks trained one set of
     parameters, each step applied twice (weights that also changed from run to run). Lightning also sends
-    torch's flags (``deterministic=True``) to ``spawn`` ranks only."""
+    torch's flags (``deterministic=True``) to ``spawn`` ranks only, and a forkserver rank had the environment
+    of the server's first launch (a later ``PL_GLOBAL_SEED`` did not reach it)."""
+    forkserver.ensure_running()  # started by an earlier launch, as in a process that fits twice
+    monkeypatch.setenv(LAUNCH_MARK, "this launch")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # deterministic=True sets it here: restored after
     flags_before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     rows, batch_size = 16, 2
@@ -767,6 +777,7 @@ def test_forkserver_ranks_on_cpu_train_parameters_of_their_own_with_the_trainer_
         torch.use_deterministic_algorithms(flags_before[0], warn_only=flags_before[1])
     torch.testing.assert_close(model.net.weight, expected.net.weight)
     assert trainer.callback_metrics["deterministic_on_every_rank"].item() == 1.0
+    assert trainer.callback_metrics["launch_environment_on_every_rank"].item() == 1.0
 
 
 def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(tmp_path: Path) -> None:
