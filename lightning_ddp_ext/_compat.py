@@ -358,7 +358,8 @@ class _Launcher(_MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        """Lightning's function run in each started process, which records the error it fails with."""
+        """Lightning's function run in each started process, which records the error it fails with. A forkserver
+        rank first takes over the launching process's state, and on CPU a copy of its modules of its own."""
         try:
             if self._forkserver_start is not None:
                 self._forkserver_start.restore()
