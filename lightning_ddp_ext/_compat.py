@@ -361,11 +361,11 @@ class _Launcher(_MultiProcessingLauncher):
         """Lightning's function run in each started process, which records the error it fails with. A forkserver
         rank first takes over the launching process's state, and on CPU a copy of its modules of its own."""
         try:
-            if self._forkserver_start is not None:
+            if self._forkserver_start is not None:  # set by launch() for forkserver ranks
                 self._forkserver_start.restore()
-            if self._start_method == "forkserver" and isinstance(self._strategy.accelerator, CPUAccelerator):
-                trainer, _, function_args, function_kwargs = args[:4]  # as Lightning passes them (test_compat)
-                _unshare_module_memory(trainer, function_args, function_kwargs)
+                if isinstance(self._strategy.accelerator, CPUAccelerator):
+                    trainer, _, function_args, function_kwargs = args[:4]  # as Lightning passes them (test_compat)
+                    _unshare_module_memory(trainer, function_args, function_kwargs)
             super()._wrapping_function(process_idx, *args, **kwargs)
         except Exception:  # as torch.multiprocessing's wrapper, which reports these
             _record_failure(self._failures, process_idx, traceback.format_exc())
