@@ -1,6 +1,10 @@
 # Set-up and checks. Each target creates what it needs (a venv under .venv*) by itself.
 PYTHON ?= python3
+# .venv (tests, types, docs) has no scikit-learn, scipy or matplotlib: where they are installed, torchmetrics imports
+# scipy and matplotlib with Lightning, about 2 s more in every process, and the tests start some 300 of them. The demo
+# and the benchmarks (and the tests that run them) use .venv-tools, which has them.
 VENV ?= .venv
+VENV_TOOLS ?= .venv-tools
 VENV_LOWEST ?= .venv-lowest
 # A CPU wheel of this torch ships with our machines (pip's find-links); elsewhere pip takes it from the index.
 TORCH ?= torch==2.13.0
@@ -13,10 +17,17 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 .PHONY: demo test test-lowest typecheck docs bench clean
 
+# --clear: a venv made before the extras were split must lose scikit-learn and matplotlib, not keep them.
 $(VENV)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,bench,typecheck]"
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,typecheck]"
+	touch $@
+
+$(VENV_TOOLS)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
+	$(PYTHON) -m venv --clear $(VENV_TOOLS)
+	$(VENV_TOOLS)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
+	$(VENV_TOOLS)/bin/pip install $(PIP_FLAGS) -e ".[demo,bench,sharded]"
 	touch $@
 
 $(VENV_LOWEST)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
@@ -27,12 +38,12 @@ $(VENV_LOWEST)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	touch $@
 
 ## make demo: train a P x K embedding network on 2 CPU processes with strategy="ddp_custom_sampler"
-demo: $(VENV)/.installed
-	$(VENV)/bin/python examples/demo_pk_digits.py
+demo: $(VENV_TOOLS)/.installed
+	$(VENV_TOOLS)/bin/python examples/demo_pk_digits.py
 
-## make test: the whole test suite (per-test timeout in setup.cfg)
-test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
+## make test: the whole test suite (per-test timeout in setup.cfg); the demo and the docs' figure run in .venv-tools
+test: $(VENV)/.installed $(VENV_TOOLS)/.installed
+	LIGHTNING_DDP_EXT_TOOLS_PYTHON="$(abspath $(VENV_TOOLS))/bin/python" $(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
 
 ## make test-lowest: on the lowest supported Lightning and torch, the framework-free tests (samplers, dataloader patching, sync, the epoch store) and the Lightning-facing ones (strategy, evaluation, resumes (also on another number of ranks), exit clean-up, failure reports, the sharded scaler)
 FRAMEWORK_FREE_TESTS = tests/test_samplers.py tests/test_dataloader.py tests/test_sync.py tests/test_store.py \
@@ -68,8 +79,8 @@ typecheck: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
-bench: $(VENV)/.installed
-	$(VENV)/bin/python benchmarks/sampler_overhead.py --quick
+bench: $(VENV_TOOLS)/.installed
+	$(VENV_TOOLS)/bin/python benchmarks/sampler_overhead.py --quick
 
 clean:
-	rm -rf $(VENV) $(VENV_LOWEST) build *.egg-info docs/_build
+	rm -rf $(VENV) $(VENV_TOOLS) $(VENV_LOWEST) build *.egg-info docs/_build

@@ -7,7 +7,7 @@ rank trained on, checks that the ranks' batches were disjoint and together were 
 sequence, and reports recall@1 on validation embeddings gathered from both ranks in dataset order.
 
 Run: ``make demo`` (or ``python examples/demo_pk_digits.py`` in an environment with the package and
-scikit-learn, which the ``test`` extra installs).
+scikit-learn, which the ``demo`` extra installs).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ killed with it even when they outlive it. The process helpers read ``/proc`` (Li
 """
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import pickle
@@ -21,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, List, Optional
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -230,14 +232,34 @@ def single_rank_in_this_process(port: int) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def run_python(*args: str, timeout: float, cwd: Optional[Path] = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` (a script and its arguments, or ``-c CODE``) in the environment of
-    :func:`free_env`, and fail with the end of its stderr unless it exits 0.
+TOOLS_PYTHON_VARIABLE = "LIGHTNING_DDP_EXT_TOOLS_PYTHON"
+
+
+def tools_python(module: str) -> str:
+    """The interpreter for a script that needs ``module`` (scikit-learn for the demo, matplotlib for the docs'
+    figure). ``make test`` runs the suite in a venv without them, because where they are installed every
+    ``import lightning`` imports scipy and matplotlib too (torchmetrics does), and names the venv that has them
+    in ``LIGHTNING_DDP_EXT_TOOLS_PYTHON``. Without that variable: this interpreter, or a skip if it lacks
+    ``module``."""
+    python = os.environ.get(TOOLS_PYTHON_VARIABLE)
+    if python:
+        return python
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed here and {TOOLS_PYTHON_VARIABLE} names no interpreter that has it "
+                    "(make test sets it)")
+    return sys.executable
+
+
+def run_python(
+    *args: str, timeout: float, cwd: Optional[Path] = None, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` (a script and its arguments, or ``-c CODE``; ``python`` is this interpreter unless
+    given) in the environment of :func:`free_env`, and fail with the end of its stderr unless it exits 0.
 
     The script runs in a session of its own, and every process of that session still alive when it ends or
     times out is killed: a launcher's other ranks are its children, and one stuck outside a collective would
     outlive it."""
-    command = [sys.executable, *args]
+    command = [python, *args]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=free_env(), cwd=cwd,
         start_new_session=True,

@@ -2,15 +2,16 @@
 
 The picture is computed, not drawn by hand: the ranks' rows come from ``DistributedBatchSamplerWrapper``
 itself (7 batches, 3 ranks, ``pad=True``, and the same with ``shuffle=True, shuffle_window=1``). The rows are
-also stored in the PNG's "Description" text chunk, so that ``tests/test_docs.py`` can tell when the picture
-no longer matches what the wrapper deals.
+also stored in the PNG's "Description" text chunk, so that ``--check`` (run by ``tests/test_docs.py``) can tell
+when the picture no longer matches what the wrapper deals.
 
-Run: ``python docs/_scripts/dealing_diagram.py [OUTPUT.png]`` (needs matplotlib).
+Run: ``python docs/_scripts/dealing_diagram.py [OUTPUT.png]``, or ``--check`` to compare the shipped picture with
+what the wrapper deals now (needs matplotlib, as the ``bench`` extra installs).
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from typing import List, Sequence
 
@@ -97,5 +98,22 @@ def main(out: Path = OUT) -> None:
     print(f"wrote {out}")
 
 
+def shown(path: Path = OUT) -> dict:
+    """The rows stored in a picture this script drew."""
+    from PIL import Image  # a dependency of matplotlib
+
+    with Image.open(path) as image:
+        return json.loads(image.text["Description"])
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", nargs="?", type=Path, default=OUT, help=f"the PNG to write (default {OUT})")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the PNG no longer shows what is dealt")
+    options = parser.parse_args()
+    if not options.check:
+        main(options.output)
+    elif shown(options.output) != dealt():
+        raise SystemExit(f"{options.output} is stale: run python docs/_scripts/dealing_diagram.py")
+    else:
+        print(f"{options.output} shows what the wrapper deals")
