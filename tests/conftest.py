@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
+from distributed_helpers import CallOutcomes, call_on_ranks  # noqa: E402
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port  # noqa: E402
 from scenarios import TEST_PG_TIMEOUT  # noqa: E402
 
@@ -50,3 +51,11 @@ def no_global_seed_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         monkeypatch.setenv(name, "0")  # registers the original value (or its absence) for restoring
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(request: pytest.FixtureRequest) -> CallOutcomes:
+    """The outcome on each of two ranks of every call in the test module's ``RANK_CALLS``, all made on the same
+    two ranks, started once for the module (see ``distributed_helpers.call_on_ranks``), whichever of its tests
+    run."""
+    return call_on_ranks(request.module.RANK_CALLS)

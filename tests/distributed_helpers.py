@@ -12,15 +12,17 @@ import importlib.util
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, List, Optional
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch.distributed as dist
@@ -199,6 +201,68 @@ def run_distributed(
         if errors:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call of :func:`call_on_ranks` returned on one rank, or the traceback of what it raised."""
+
+    value: Any = None
+    error: Optional[str] = None
+
+    def returned(self) -> Any:
+        """The value the call returned; fails the test with the rank's traceback if it raised instead."""
+        if self.error is not None:
+            raise AssertionError(f"the call raised on its rank:\n{self.error}")
+        return self.value
+
+    def raised(self, pattern: str) -> None:
+        """Fail unless the call raised an error whose traceback matches the regular expression ``pattern``."""
+        assert self.error is not None, f"the call returned {self.value!r} instead of raising {pattern!r}"
+        assert re.search(pattern, self.error, re.DOTALL), f"{pattern!r} not found in:\n{self.error}"
+
+
+#: A named call for :func:`call_on_ranks`: ``name -> (function, arguments)``; the function must be importable.
+RankCalls = Dict[str, Tuple[Callable[..., Any], Tuple[Any, ...]]]
+
+
+def _call_each(rank: int, world_size: int, calls: RankCalls) -> Dict[str, Outcome]:
+    # What torchrun sets: Lightning's environment then takes the processes as started for it, and the strategy
+    # joins the process group run_distributed made instead of launching ranks or making one.
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",  # read by nothing: the process group exists already
+    )
+    outcomes: Dict[str, Outcome] = {}
+    for name, (function, args) in calls.items():
+        environment = dict(os.environ)  # seed_everything exports its seed: not to the next call
+        try:
+            outcomes[name] = Outcome(value=function(*args))
+        except Exception:
+            outcomes[name] = Outcome(error=traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+    return outcomes
+
+
+class CallOutcomes(Dict[str, List[Outcome]]):
+    """Each call's outcomes, in rank order, by the call's name. Its repr is short: pytest prints it in the
+    report of every test that failed with it as an argument."""
+
+    def __repr__(self) -> str:
+        return f"<outcomes of {len(self)} calls on {len(next(iter(self.values()), []))} ranks>"
+
+
+def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0) -> CallOutcomes:
+    """Make each call on the same ``world_size`` ranks, one call after another, as a script run by torchrun
+    makes several Trainers: the ranks start (and import Lightning, most of a short run's time) once for all of
+    them. Returns each call's outcome per rank, in rank order; a call that raised does not stop the next.
+
+    The ranks come from :func:`run_distributed` (its deadline and clean-up). Lightning's launchers are not
+    involved: the tests of launching and exiting start their own ranks."""
+    per_rank = run_distributed(_call_each, world_size, calls, timeout=timeout)
+    return CallOutcomes({name: [outcomes[name] for outcomes in per_rank] for name in calls})
 
 
 def free_env() -> dict[str, str]:

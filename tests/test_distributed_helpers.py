@@ -1,4 +1,5 @@
-"""The test harness itself: ``run_distributed`` leaves no process behind, whatever its ranks started."""
+"""The test harness itself: ``run_distributed`` leaves no process behind, whatever its ranks started, and
+``call_on_ranks`` makes each call whatever the one before did."""
 from __future__ import annotations
 
 import json
@@ -6,10 +7,14 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import pytest
-from distributed_helpers import descendants, describe, run_distributed, stat_fields, worker_context
+import torch
+import torch.distributed as dist
+from distributed_helpers import (
+    Outcome, call_on_ranks, descendants, describe, run_distributed, stat_fields, worker_context,
+)
 from torch.utils.data import DataLoader
 
 
@@ -39,3 +44,28 @@ def test_run_distributed_kills_what_a_killed_rank_started(tmp_path: Path) -> Non
     while _alive(started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(started), f"left behind:\n{describe(_alive(started))}"
+
+
+def _export_a_seed_then_fail_on_rank_1() -> int:
+    os.environ["PL_GLOBAL_SEED"] = "7"  # as seed_everything does
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails here")
+    return dist.get_rank()
+
+
+def _where_am_i() -> Tuple[int, Optional[str], str, int]:
+    ranks = torch.tensor(dist.get_rank())
+    dist.all_reduce(ranks)  # the process group still pairs the ranks up
+    return dist.get_rank(), os.environ.get("PL_GLOBAL_SEED"), os.environ["LOCAL_RANK"], int(ranks)
+
+
+def test_call_on_ranks_makes_every_call_on_the_same_ranks_in_a_clean_environment() -> None:
+    outcomes = call_on_ranks({"fails on rank 1": (_export_a_seed_then_fail_on_rank_1, ()), "next": (_where_am_i, ())})
+    assert outcomes["fails on rank 1"][0].returned() == 0
+    outcomes["fails on rank 1"][1].raised("ValueError: rank 1 fails here")
+    with pytest.raises(AssertionError, match="rank 1 fails here"):
+        outcomes["fails on rank 1"][1].returned()
+    assert [outcome.returned() for outcome in outcomes["next"]] == [(0, None, "0", 1), (1, None, "1", 1)]
+    with pytest.raises(AssertionError, match="returned 0 instead of raising"):
+        Outcome(value=0).raised("anything")
+    assert repr(outcomes) == "<outcomes of 2 calls on 2 ranks>"

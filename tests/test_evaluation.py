@@ -1,9 +1,14 @@
-"""Gathering validation outputs across ranks through the strategy, in "pad" and "exact" evaluation modes."""
+"""Gathering validation outputs across ranks through the strategy, in "pad" and "exact" evaluation modes.
+
+Most runs here are the calls of ``RANK_CALLS``, made one after another on two ranks started once for the module,
+as a script run by torchrun makes several Trainers (``on_two_ranks``, see ``distributed_helpers.call_on_ranks``):
+starting ranks, not the runs, is what costs. Each test then checks its call's outcome on every rank. One test
+launches through Lightning's spawn launcher, so that a refusal is seen reaching the launching process too.
+"""
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
@@ -11,7 +16,7 @@ import pytest
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 import torch
-from distributed_helpers import single_rank_in_this_process
+from distributed_helpers import CallOutcomes, RankCalls, single_rank_in_this_process
 from reliability_common import free_port
 from scenarios import TEST_PG_TIMEOUT, EveryThirdFirst, IndexDataset, LengthBuckets, trainer_kwargs
 from torch.utils.data import BatchSampler, DataLoader
@@ -26,13 +31,19 @@ pytestmark = pytest.mark.usefixtures("spawn_job")
 
 SIZE = 45  # odd, so 2 ranks need padding in "pad" mode and get uneven shares in "exact" mode
 
+#: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
+RANK_CALLS: RankCalls = {}
+
 
 class Embedder(pl.LightningModule):
-    def __init__(self, out_dir: str, log_per_batch_in: Optional[str] = None) -> None:
+    """Embeds each sample and gathers each loader's embeddings at the end of validation, into ``report``."""
+
+    def __init__(self, log_per_batch_in: Optional[str] = None) -> None:
         super().__init__()
         self.net = torch.nn.Linear(1, 3)
-        self.out_dir, self.log_per_batch_in = out_dir, log_per_batch_in  # "step", "batch_end" or None
+        self.log_per_batch_in = log_per_batch_in  # "step", "batch_end" or None
         self.outputs: List[List[torch.Tensor]] = [[], [], []]  # one list per loader of loaders()
+        self.report: Dict[int, Dict[str, Any]] = {}
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, _ = batch
@@ -47,15 +58,22 @@ class Embedder(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         strategy = self.trainer.strategy
-        report = {}
         for idx, outputs in enumerate(self.outputs):
-            gathered = strategy.gather_in_order(torch.cat(outputs), dataloader_idx=idx)  # type: ignore[attr-defined]
-            report[idx] = {
-                "gathered": gathered.tolist(),
+            self.report[idx] = {
+                "gathered": strategy.gather_in_order(torch.cat(outputs), dataloader_idx=idx),  # type: ignore
                 "evaluated": strategy.evaluated_indices(idx),  # type: ignore[attr-defined]
                 "rows_here": sum(len(o) for o in outputs),
             }
-        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(report))
+
+
+def embed_every_sample(model: Embedder) -> torch.Tensor:
+    """Row i: the model's embedding of sample i, in one process, as a gather in dataset order must give it."""
+    with torch.no_grad():
+        return model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in range(SIZE)]))
+
+
+def rows(table: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    return table[torch.tensor(list(indices), dtype=torch.long)]
 
 
 def loaders() -> List[DataLoader]:
@@ -67,33 +85,35 @@ def loaders() -> List[DataLoader]:
     ]
 
 
-@pytest.mark.parametrize(
-    "eval_mode,pad_to_world_size",
-    [("pad", True), ("exact", True), ("pad", False)],  # pad_to_world_size concerns training: evaluation still pads
-)
+def _validate_three_loaders(eval_mode: str, pad_to_world_size: bool) -> Dict[str, Any]:
+    pl.seed_everything(3)  # the same weights on both ranks, and the seed of the shuffled loader
+    model = Embedder()
+    table = embed_every_sample(model)
+    strategy = CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode=eval_mode, pad_to_world_size=pad_to_world_size)
+    pl.Trainer(strategy=strategy, **trainer_kwargs()).validate(model, loaders())
+    return {"table": table, "report": model.report}
+
+
+# pad_to_world_size concerns training: evaluation still pads
+EVAL_MODES = [("pad", True), ("exact", True), ("pad", False)]
+RANK_CALLS.update({f"three loaders, {m}, {p}": (_validate_three_loaders, (m, p)) for m, p in EVAL_MODES})
+
+
+@pytest.mark.parametrize("eval_mode,pad_to_world_size", EVAL_MODES)
 def test_gathered_embeddings_equal_single_process_in_dataset_order(
-    tmp_path: Path, eval_mode: str, pad_to_world_size: bool
+    on_two_ranks: CallOutcomes, eval_mode: str, pad_to_world_size: bool
 ) -> None:
-    pl.seed_everything(3)
-    model = Embedder(str(tmp_path))
-    with torch.no_grad():
-        expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in range(SIZE)]))
-    strategy = CustomDDP(
-        start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode=eval_mode, pad_to_world_size=pad_to_world_size
-    )
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
-    trainer.validate(model, loaders())
-    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    for idx in ("0", "1", "2"):
-        for report in reports:
-            assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6)
-        evaluated = [i for report in reports for i in report[idx]["evaluated"]]
+    results = [outcome.returned() for outcome in on_two_ranks[f"three loaders, {eval_mode}, {pad_to_world_size}"]]
+    for idx in range(3):
+        for result in results:
+            assert torch.allclose(result["report"][idx]["gathered"], results[0]["table"], atol=1e-6)
+        evaluated = [i for result in results for i in result["report"][idx]["evaluated"]]
         assert sorted(evaluated) == list(range(SIZE))  # each sample once, padding excluded
-        rows = [report[idx]["rows_here"] for report in reports]
+        rows_here = [result["report"][idx]["rows_here"] for result in results]
         if eval_mode == "exact":
-            assert sum(rows) == SIZE  # no sample evaluated twice
+            assert sum(rows_here) == SIZE  # no sample evaluated twice
         else:
-            assert rows[0] == rows[1] and sum(rows) > SIZE  # equal step counts, padding repeats
+            assert rows_here[0] == rows_here[1] and sum(rows_here) > SIZE  # equal step counts, padding repeats
 
 
 class UnchangedByTraining(pl.LightningModule):
@@ -110,75 +130,77 @@ class UnchangedByTraining(pl.LightningModule):
 
 class CombinedEmbedder(UnchangedByTraining, Embedder):
     """Validates a non-sequential CombinedLoader: every step holds a batch of each loader (None once one ran out).
-    Also writes which samples each loader's steps saw, and trains (for a fit's sanity check)."""
+    Also keeps which samples each loader's steps saw (``seen``), and trains (for a fit's sanity check)."""
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.seen = getattr(self, "seen", {str(idx): [] for idx in range(len(batch))})
+        self.seen: Dict[int, List[int]] = getattr(self, "seen", {idx: [] for idx in range(len(batch))})
         for idx, part in enumerate(batch):
             if part is not None:
                 super().validation_step(part, batch_idx, idx)
-                self.seen[str(idx)] += part[1].tolist()
-
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        Path(self.out_dir, f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
+                self.seen[idx] += part[1].tolist()
 
 
-@pytest.mark.parametrize(
-    "mode,run",
-    [
-        ("max_size", "whole"), ("min_size", "whole"), ("max_size", "limited"), ("min_size", "sanity"),
-        ("max_size_cycle", "whole"),
-    ],
-)
-def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(
-    tmp_path: Path, mode: str, run: str
-) -> None:
-    """Lightning counts such steps under loader 0 only (and not at all in the sanity check), and a limit only
-    shortens the run; each loader's own count must still check and gather its values: all of every loader in
-    "max_size" (the shorter ones run out first), as far as the shortest went in "min_size". "max_size_cycle"
-    repeats the shorter loaders: refused by name."""
-    model = CombinedEmbedder(str(tmp_path))
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT)
+def _validate_combined(mode: str, run: str) -> Dict[str, Any]:
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = CombinedEmbedder()
+    table = embed_every_sample(model)
+    strategy = CustomDDP(timeout=TEST_PG_TIMEOUT)
     combined = CombinedLoader(loaders(), mode=mode)
-    if mode == "max_size_cycle":
-        with pytest.raises(Exception, match="cannot follow an evaluation CombinedLoader in mode 'max_size_cycle'"):
-            pl.Trainer(strategy=strategy, **trainer_kwargs()).validate(model, combined)
-        return
     if run == "sanity":  # only the sanity check validates: 5 steps, as far as the shortest share (not 6)
         options = dict(max_epochs=1, limit_train_batches=1, num_sanity_val_steps=6, check_val_every_n_epoch=2)
         pl.Trainer(strategy=strategy, **trainer_kwargs(**options)).fit(model, loaders()[0], combined)
     else:  # "limited": limits 3, 2 and 3 batches, but the loaders step together for 3 steps
         limit = 0.5 if run == "limited" else 1.0
         pl.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=limit)).validate(model, combined)
-    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    seen = [json.loads(Path(tmp_path, f"seen{r}.json").read_text()) for r in range(2)]
-    for idx in ("0", "1", "2"):
-        evaluated = sorted(set(seen[0][idx] + seen[1][idx]))
+    return {"table": table, "report": model.report, "seen": model.seen}
+
+
+COMBINED_RUNS = [
+    ("max_size", "whole"), ("min_size", "whole"), ("max_size", "limited"), ("min_size", "sanity"),
+    ("max_size_cycle", "whole"),
+]
+RANK_CALLS.update({f"combined, {mode}, {run}": (_validate_combined, (mode, run)) for mode, run in COMBINED_RUNS})
+
+
+@pytest.mark.parametrize("mode,run", COMBINED_RUNS)
+def test_gather_in_order_per_loader_of_a_combined_loader_stepping_its_loaders_together(
+    on_two_ranks: CallOutcomes, mode: str, run: str
+) -> None:
+    """Lightning counts such steps under loader 0 only (and not at all in the sanity check), and a limit only
+    shortens the run; each loader's own count must still check and gather its values: all of every loader in
+    "max_size" (the shorter ones run out first), as far as the shortest went in "min_size". "max_size_cycle"
+    repeats the shorter loaders: refused by name."""
+    outcomes = on_two_ranks[f"combined, {mode}, {run}"]
+    if mode == "max_size_cycle":
+        for outcome in outcomes:
+            outcome.raised("cannot follow an evaluation CombinedLoader in mode 'max_size_cycle'")
+        return
+    results = [outcome.returned() for outcome in outcomes]
+    for idx in range(3):
+        evaluated = sorted(set(results[0]["seen"][idx] + results[1]["seen"][idx]))
         if run == "whole":  # "min_size": 5 steps, all of loader 1's 9 batches, 5 of 6 of the others'
-            assert (evaluated == list(range(SIZE))) == (mode == "max_size" or idx == "1"), idx
+            assert (evaluated == list(range(SIZE))) == (mode == "max_size" or idx == 1), idx
         else:
             assert 0 < len(evaluated) <= SIZE, idx
-        with torch.no_grad():
-            expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
-        for report in reports:
-            assert torch.allclose(torch.tensor(report[idx]["gathered"]), expected, atol=1e-6), idx
+        for result in results:
+            assert torch.allclose(result["report"][idx]["gathered"], rows(result["table"], evaluated), atol=1e-6), idx
 
 
 class CarelessEmbedder(UnchangedByTraining, Embedder):
-    """Gathers the outputs of its one loader as asked: ``"per_batch"`` forgets ``torch.cat``, ``"skipped_batch"``
-    records nothing for batch 0, ``"sanity"`` gathers during the sanity check of a fit, ``"two_epochs"`` after
-    each of two validation runs of a fit, ``"user_dealt"`` from a loader its ``val_dataloader`` dealt itself (and
-    ``"user_dealt_unreplaced"`` the same under ``Trainer(use_distributed_sampler=False)``),
-    ``"user_batched"`` from one it dealt by index and batched with torch's plain ``BatchSampler`` given as
-    ``batch_sampler=``, ``"user_sharded"`` from one with that ``BatchSampler`` over torch's ``DistributedSampler``,
-    ``"dataloader_iter"`` from a step that reads two batches from the loader's iterator, ``"zero_dim"`` with rank 1's
-    values a 0-dim tensor, ``"as_dict"`` with rank 1's values a dict (which did not even slice)."""
+    """Gathers the outputs of its one loader as asked, into ``reports`` (one per validation run): ``"per_batch"``
+    forgets ``torch.cat``, ``"skipped_batch"`` records nothing for batch 0, ``"sanity"`` gathers during the sanity
+    check of a fit, ``"two_epochs"`` after each of two validation runs of a fit, ``"user_dealt"`` from a loader its
+    ``val_dataloader`` dealt itself (and ``"user_dealt_unreplaced"`` the same under
+    ``Trainer(use_distributed_sampler=False)``), ``"user_batched"`` from one it dealt by index and batched with
+    torch's plain ``BatchSampler`` given as ``batch_sampler=``, ``"user_sharded"`` from one with that
+    ``BatchSampler`` over torch's ``DistributedSampler``, ``"dataloader_iter"`` from a step that reads two batches
+    from the loader's iterator, ``"zero_dim"`` with rank 1's values a 0-dim tensor, ``"as_dict"`` with rank 1's
+    values a dict (which did not even slice)."""
 
-    def __init__(self, out_dir: str, case: str) -> None:
-        super().__init__(out_dir)
+    def __init__(self, case: str) -> None:
+        super().__init__()
         self.case = case
-        self.reports: List[Any] = []
+        self.reports: List[Dict[str, Any]] = []
 
     def val_dataloader(self) -> DataLoader:
         if self.case == "shared":  # one loader, dealt by its user, for training and validation
@@ -210,9 +232,7 @@ class CarelessEmbedder(UnchangedByTraining, Embedder):
         if self.case == "as_generator" and self.global_rank == 1:
             values = (row for row in values)  # iterable, but without the len() the strategy checks counts with
         strategy: Any = self.trainer.strategy
-        gathered = strategy.gather_in_order(values)
-        self.reports.append({"gathered": gathered.tolist(), "evaluated": strategy.evaluated_indices()})
-        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.reports))
+        self.reports.append({"gathered": strategy.gather_in_order(values), "evaluated": strategy.evaluated_indices()})
 
 
 class TwoBatchesAStep(CarelessEmbedder):
@@ -225,70 +245,72 @@ class TwoBatchesAStep(CarelessEmbedder):
             self.outputs[0].append(self.net(x))
 
 
-@pytest.mark.parametrize(
-    "case,error",
-    [
-        ("per_batch", "values looks like per-batch outputs: torch.cat them"),
-        ("skipped_batch", "from every batch, in the order the batches came"),
-        ("limited", None),
-        ("sanity", None),
-        ("two_epochs", None),
-        ("user_dealt", None),
-        ("user_dealt_unreplaced", None),
-        ("user_batched", None),
-        ("user_sharded", None),
-        ("dataloader_iter", None),
-        ("shared", "is a training loader too, so it does not keep what it yields"),
-        ("zero_dim", "rank 1: gather_in_order needs values with a sample dimension, got a 0-dim tensor"),
-        ("as_dict", "rank 1: gather_in_order: values must be a tensor whose first dim runs over samples or a sequence"),
-        ("as_generator", r"rank 1: gather_in_order: values must be .* a sequence \(with len\(\)\) .* got generator"),
-    ],
-)
-def test_strategy_gather_checks_values_against_the_evaluated_batches(
-    tmp_path: Path, case: str, error: Optional[str]
-) -> None:
-    """The strategy knows how many batches each rank evaluated in this run, so values that do not cover them (a
-    per-batch list, a batch left out) fail on every rank instead of being filed under the wrong indices; fewer
-    batches than dealt (limit_val_batches, the sanity check, a later validation run of a fit, whose counts
-    Lightning adds up) gather what they evaluated."""
-    model = (TwoBatchesAStep if case == "dataloader_iter" else CarelessEmbedder)(str(tmp_path), case)
+def _gather_carelessly(case: str) -> Dict[str, Any]:
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = (TwoBatchesAStep if case == "dataloader_iter" else CarelessEmbedder)(case)
+    table = embed_every_sample(model)
     loader = loaders()[1]  # LengthBuckets: 9 batches, 5 on rank 0 and 4 on rank 1 in "exact" mode
     plain = DataLoader(IndexDataset(SIZE), batch_size=4)
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    runs, batches_a_run = 1, 2  # how many validation runs, and batches a rank evaluates in each
-    if case == "shared":  # a training epoch's share is not kept: an error that says so, not a wrong gather
-        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
-        with pytest.raises(Exception, match=error):
-            trainer.fit(model)
-        return
-    if case in ("sanity", "two_epochs"):
+    strategy = CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    if case == "shared":
+        pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1)).fit(model)
+    elif case in ("sanity", "two_epochs"):
         fit_options = dict(max_epochs=2, limit_val_batches=2) if case == "two_epochs" else dict(
             max_epochs=1, num_sanity_val_steps=2, check_val_every_n_epoch=2
         )
         trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(limit_train_batches=1, **fit_options))
-        runs = 2 if case == "two_epochs" else 1
         trainer.fit(model, loader, plain if case == "two_epochs" else loader)
     else:
         unreplaced = {"use_distributed_sampler": False} if case == "user_dealt_unreplaced" else {}
         trainer = pl.Trainer(
             strategy=strategy, **trainer_kwargs(limit_val_batches=2 if case == "limited" else 1.0, **unreplaced)
         )
-        if case in ("zero_dim", "as_dict", "as_generator"):  # found by one rank before the exchange: raised on every rank
-            with pytest.raises(Exception, match=error):
-                trainer.validate(model, loader)
-            return
-        if error is not None:
-            with pytest.raises(Exception, match=f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"):
-                trainer.validate(model, loader)
-            return
         if case in ("user_dealt", "user_dealt_unreplaced", "user_batched", "user_sharded"):
             trainer.validate(model)
-            batches_a_run = 5
         else:
             trainer.validate(model, loader)
-            batches_a_run = 5 if case == "dataloader_iter" else 2
-    reports = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    dealt = [list(b) for b in loader.batch_sampler]
+    return {"table": table, "reports": model.reports}
+
+
+GATHER_CASES = [
+    ("per_batch", "values looks like per-batch outputs: torch.cat them"),
+    ("skipped_batch", "from every batch, in the order the batches came"),
+    ("limited", None),
+    ("sanity", None),
+    ("two_epochs", None),
+    ("user_dealt", None),
+    ("user_dealt_unreplaced", None),
+    ("user_batched", None),
+    ("user_sharded", None),
+    ("dataloader_iter", None),
+    ("shared", "is a training loader too, so it does not keep what it yields"),
+    ("zero_dim", "rank 1: gather_in_order needs values with a sample dimension, got a 0-dim tensor"),
+    ("as_dict", "rank 1: gather_in_order: values must be a tensor whose first dim runs over samples or a sequence"),
+    ("as_generator", r"rank 1: gather_in_order: values must be .* a sequence \(with len\(\)\) .* got generator"),
+]
+RANK_CALLS.update({f"gather, {case}": (_gather_carelessly, (case,)) for case, _ in GATHER_CASES})
+
+
+@pytest.mark.parametrize("case,error", GATHER_CASES)
+def test_strategy_gather_checks_values_against_the_evaluated_batches(
+    on_two_ranks: CallOutcomes, case: str, error: Optional[str]
+) -> None:
+    """The strategy knows how many batches each rank evaluated in this run, so values that do not cover them (a
+    per-batch list, a batch left out) fail on every rank instead of being filed under the wrong indices; fewer
+    batches than dealt (limit_val_batches, the sanity check, a later validation run of a fit, whose counts
+    Lightning adds up) gather what they evaluated. A rank's own wrong values (a 0-dim tensor, a dict) are found
+    before the exchange, and raised on every rank; a training epoch's share is not kept: an error that says so."""
+    outcomes = on_two_ranks[f"gather, {case}"]
+    if error is not None:
+        if case in ("per_batch", "skipped_batch"):
+            error = f"got .* values for evaluation loader 0, but this rank evaluated .*{error}"
+        for outcome in outcomes:
+            outcome.raised(error)
+        return
+    results = [outcome.returned() for outcome in outcomes]
+    runs = 2 if case == "two_epochs" else 1  # validation runs
+    batches_a_run = {"limited": 2, "sanity": 2, "two_epochs": 2}.get(case, 5)  # that a rank evaluates in each
+    dealt = [list(b) for b in loaders()[1].batch_sampler]
     for run in range(runs):
         if case == "two_epochs":  # a default sampler deals samples: rank r takes r, r + 2, ..., 4 to a batch
             owns = [list(range(r, SIZE, 2))[: 4 * batches_a_run] for r in range(2)]
@@ -297,14 +319,14 @@ def test_strategy_gather_checks_values_against_the_evaluated_batches(
             owns = [order[r::2] for r in range(2)]
         else:  # batches r, r + 2, ... (exact mode: no padding)
             owns = [[i for batch in dealt[r::2][:batches_a_run] for i in batch] for r in range(2)]
-        for rank, own in enumerate(owns):  # the loader may have yielded more than was evaluated (prefetching):
-            got = reports[rank][run]["evaluated"]  # those are left out, unless a dataloader_iter step hides the count
+        # The loader may have yielded more than was evaluated (prefetching): those are left out, unless a
+        # dataloader_iter step hides the count.
+        for rank, own in enumerate(owns):
+            got = results[rank]["reports"][run]["evaluated"]
             assert (got[: len(own)] if case == "dataloader_iter" else got) == own, (run, rank)
-        evaluated = sorted(owns[0] + owns[1])
-        with torch.no_grad():
-            expected = model.net(torch.stack([IndexDataset(SIZE)[i][0] for i in evaluated]))
-        for report in reports:
-            assert torch.allclose(torch.tensor(report[run]["gathered"]), expected, atol=1e-6)
+        for result in results:
+            expected = rows(result["table"], sorted(owns[0] + owns[1]))
+            assert torch.allclose(result["reports"][run]["gathered"], expected, atol=1e-6)
 
 
 class GathersEveryBatch(Embedder):
@@ -312,27 +334,39 @@ class GathersEveryBatch(Embedder):
         self.trainer.strategy.gather_in_order(torch.cat(self.outputs[0]))  # type: ignore[attr-defined]
 
 
-def test_gather_in_order_inside_an_exact_evaluation_batch_is_refused(tmp_path: Path) -> None:
+def _gather_inside_a_batch() -> None:
+    trainer = pl.Trainer(strategy=CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode="exact"), **trainer_kwargs())
+    trainer.validate(GathersEveryBatch(), loaders()[1])
+
+
+RANK_CALLS["gather inside a batch"] = (_gather_inside_a_batch, ())
+
+
+def test_gather_in_order_inside_an_exact_evaluation_batch_is_refused(on_two_ranks: CallOutcomes) -> None:
     """Ranks evaluate different numbers of batches in "exact" mode: a gather in a batch hook would pair rank 0's
     extra batch with another rank's next collective."""
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
-    with pytest.raises(Exception, match="gather_in_order\\(\\) was called inside a validation/test batch"):
-        trainer.validate(GathersEveryBatch(str(tmp_path)), loaders()[1])
+    for outcome in on_two_ranks["gather inside a batch"]:
+        outcome.raised("gather_in_order\\(\\) was called inside a validation/test batch")
 
 
-@pytest.mark.parametrize(
-    "strategy_class,where",
-    [("CustomDDP", "step"), ("CustomDDP", "batch_end"), ("CustomDDPSharded", "step")],  # the sharded step is its own
-)
-def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(tmp_path: Path, strategy_class: str, where: str) -> None:
+def _log_per_step(strategy_class: str, where: str) -> None:
+    strategy = getattr(lightning_ddp_ext, strategy_class)(timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+    pl.Trainer(strategy=strategy, **trainer_kwargs()).validate(Embedder(log_per_batch_in=where), loaders()[0])
+
+
+# The sharded strategy has a training step of its own.
+PER_STEP_LOGGING = [("CustomDDP", "step"), ("CustomDDP", "batch_end"), ("CustomDDPSharded", "step")]
+RANK_CALLS.update({f"log per step, {name}, {at}": (_log_per_step, (name, at)) for name, at in PER_STEP_LOGGING})
+
+
+@pytest.mark.parametrize("strategy_class,where", PER_STEP_LOGGING)
+def test_exact_mode_refuses_per_step_collectives_instead_of_hanging(
+    on_two_ranks: CallOutcomes, strategy_class: str, where: str
+) -> None:
     if strategy_class == "CustomDDPSharded":
         pytest.importorskip("fairscale")
-    strategy_type = getattr(lightning_ddp_ext, strategy_class)
-    strategy = strategy_type(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
-    with pytest.raises(Exception, match="inside a validation/test batch.*per-step collective would hang"):
-        trainer.validate(Embedder(str(tmp_path), log_per_batch_in=where), loaders()[0])
+    for outcome in on_two_ranks[f"log per step, {strategy_class}, {where}"]:
+        outcome.raised("inside a validation/test batch.*per-step collective would hang")
 
 
 def test_eval_mode_and_shuffle_window_are_validated_at_construction() -> None:
@@ -352,10 +386,9 @@ def test_eval_mode_and_shuffle_window_are_validated_at_construction() -> None:
 class GatherAtEpochStart(pl.LightningModule):
     """Trains, and gathers at the start of every validation epoch: outside any step, so allowed in "exact" mode."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(1, 1)
-        self.out_dir = out_dir
         self.gathered: List[List[float]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -370,19 +403,24 @@ class GatherAtEpochStart(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         pass
 
-    def on_fit_end(self) -> None:
-        Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.gathered))
 
-
-def test_exact_mode_allows_collectives_outside_the_steps_during_fit(tmp_path: Path) -> None:
-    """An epoch-start all_gather, and the barrier Lightning runs when it reloads the loaders, are not refused."""
+def _fit_gathering_at_epoch_start() -> List[List[float]]:
     trainer = pl.Trainer(
-        strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact"),
+        strategy=CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode="exact"),
         **trainer_kwargs(reload_dataloaders_every_n_epochs=1),
     )
-    trainer.fit(GatherAtEpochStart(str(tmp_path)), DataLoader(IndexDataset(8), batch_size=2), DataLoader(IndexDataset(5)))
-    for rank in range(2):
-        assert json.loads(Path(tmp_path, f"rank{rank}.json").read_text()) == [[0.0, 1.0]] * 2
+    model = GatherAtEpochStart()
+    trainer.fit(model, DataLoader(IndexDataset(8), batch_size=2), DataLoader(IndexDataset(5)))
+    return model.gathered
+
+
+RANK_CALLS["gather at epoch start"] = (_fit_gathering_at_epoch_start, ())
+
+
+def test_exact_mode_allows_collectives_outside_the_steps_during_fit(on_two_ranks: CallOutcomes) -> None:
+    """An epoch-start all_gather, and the barrier Lightning runs when it reloads the loaders, are not refused."""
+    for outcome in on_two_ranks["gather at epoch start"]:
+        assert outcome.returned() == [[0.0, 1.0]] * 2
 
 
 class MeanLogger(pl.LightningModule):
@@ -393,13 +431,20 @@ class MeanLogger(pl.LightningModule):
     test_step = validation_step
 
 
-def test_exact_mode_sync_dist_mean_weighs_every_sample_once() -> None:
+def _validate_mean_of_three() -> float:
+    trainer = pl.Trainer(strategy=CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode="exact"), **trainer_kwargs())
+    [metrics] = trainer.validate(MeanLogger(), DataLoader(IndexDataset(3), batch_size=4), verbose=False)
+    return metrics["mean"]
+
+
+RANK_CALLS["mean of three"] = (_validate_mean_of_three, ())
+
+
+def test_exact_mode_sync_dist_mean_weighs_every_sample_once(on_two_ranks: CallOutcomes) -> None:
     """3 samples in batches of 4: rank 0 evaluates 2, rank 1 one; the logged mean is that of the 3 samples."""
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     data = IndexDataset(3)
-    [metrics] = trainer.validate(MeanLogger(), DataLoader(data, batch_size=4), verbose=False)
-    assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(3)) / 3)
+    for outcome in on_two_ranks["mean of three"]:
+        assert outcome.returned() == pytest.approx(sum(float(data[i][0]) for i in range(3)) / 3)
 
 
 class FailingOnce(MeanLogger):
@@ -435,22 +480,34 @@ def test_exact_mode_after_a_failed_batch_leaves_lightning_s_collectives_alone(tm
 
 
 def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> None:
+    """Through Lightning's spawn launcher: the refusal reaches the process that launched the ranks."""
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
     with pytest.raises(Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"):
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))
 
 
-@pytest.mark.parametrize("stage,setting", [("validate", "limit_val_batches"), ("test", "limit_test_batches")])
-def test_exact_mode_refuses_a_fraction_of_batches_that_leaves_a_rank_none(stage: str, setting: str) -> None:
-    """5 samples dealt exactly, a batch each: 3 and 2. A limit of 0.4 takes 1 of rank 0's and none of rank 1's,
-    where Lightning raised alone (its MisconfigurationException) while rank 0 went on. The error names the
-    stage's own setting."""
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
+def _limit_to_a_fraction(stage: str, setting: str) -> None:
+    strategy = CustomDDP(timeout=TEST_PG_TIMEOUT, eval_mode="exact")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(**{setting: 0.4}))
-    expected = rf"{setting}=0.4 of the {stage} loader's batches leaves rank 1, which is dealt 2, none .*\(an int\)"
-    with pytest.raises(Exception, match=expected):
-        getattr(trainer, stage)(MeanLogger(), DataLoader(IndexDataset(5), batch_size=1))
+    getattr(trainer, stage)(MeanLogger(), DataLoader(IndexDataset(5), batch_size=1))
+
+
+LIMITS = [("validate", "limit_val_batches"), ("test", "limit_test_batches")]
+RANK_CALLS.update({f"fraction, {stage}": (_limit_to_a_fraction, (stage, setting)) for stage, setting in LIMITS})
+
+
+@pytest.mark.parametrize("stage,setting", LIMITS)
+def test_exact_mode_refuses_a_fraction_of_batches_that_leaves_a_rank_none(
+    on_two_ranks: CallOutcomes, stage: str, setting: str
+) -> None:
+    """5 samples dealt exactly, a batch each: 3 and 2. A limit of 0.4 takes 1 of rank 0's and none of rank 1's,
+    where Lightning raised alone (its MisconfigurationException) while rank 0 went on: now every rank raises. The
+    error names the stage's own setting."""
+    for outcome in on_two_ranks[f"fraction, {stage}"]:
+        outcome.raised(
+            rf"{setting}=0.4 of the {stage} loader's batches leaves rank 1, which is dealt 2, none .*\(an int\)"
+        )
 
 
 class ValidatesOnAnUnevenUserDeal(MeanLogger):
@@ -466,13 +523,20 @@ class ValidatesOnAnUnevenUserDeal(MeanLogger):
         return DataLoader(IndexDataset(7), batch_sampler=BatchSampler(dealt, batch_size=4, drop_last=True))
 
 
-def test_a_user_deal_that_leaves_a_rank_without_batches_is_refused_too() -> None:
+def _validate_on_an_uneven_user_deal() -> None:
+    pl.Trainer(strategy=CustomDDP(timeout=TEST_PG_TIMEOUT), **trainer_kwargs()).validate(ValidatesOnAnUnevenUserDeal())
+
+
+RANK_CALLS["uneven user deal"] = (_validate_on_an_uneven_user_deal, ())
+
+
+def test_a_user_deal_that_leaves_a_rank_without_batches_is_refused_too(on_two_ranks: CallOutcomes) -> None:
     """The rank with no batch would skip validation and leave the others' epoch-end collectives (the consistency
     check among them) unpaired: refused on every rank alike, naming the user's option."""
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
-    with pytest.raises(Exception, match=r"DistributedSamplerWrapper\(even_shares=False\): .* leaves rank 1 without a"
-                                        r" batch.*or even_shares=True"):
-        trainer.validate(ValidatesOnAnUnevenUserDeal())
+    for outcome in on_two_ranks["uneven user deal"]:
+        outcome.raised(
+            r"DistributedSamplerWrapper\(even_shares=False\): .* leaves rank 1 without a batch.*or even_shares=True"
+        )
 
 
 class StepsTogetherAndFails(UnchangedByTraining):
