@@ -12,6 +12,7 @@ import importlib.util
 import multiprocessing
 import os
 import pickle
+import random
 import re
 import signal
 import subprocess
@@ -24,7 +25,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -236,6 +239,9 @@ def _call_each(rank: int, world_size: int, calls: RankCalls) -> Dict[str, Outcom
     outcomes: Dict[str, Outcome] = {}
     for name, (function, args) in calls.items():
         environment = dict(os.environ)  # seed_everything exports its seed: not to the next call
+        torch.seed()  # random draws unlike the other ranks' and the last call's, as in a new process
+        random.seed()
+        np.random.seed()
         try:
             outcomes[name] = Outcome(value=function(*args))
         except Exception:

@@ -161,9 +161,11 @@ class BackboneAndHead(pl.LightningModule):
 
 
 class Recorder(pl.LightningModule):
-    """Records, per rank, the dataset indices of every batch of every loader, and writes them on teardown."""
+    """Records, per rank, the dataset indices of every batch of every loader (``seen``) and facts about the run
+    (``facts``), and writes them into ``out_dir`` on teardown (a run on ranks started for many runs returns
+    :func:`records` instead: no ``out_dir``)."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: Optional[str] = None) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(1, 2)
         self.out_dir = out_dir
@@ -205,6 +207,8 @@ class Recorder(pl.LightningModule):
                 name: getattr(getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None), "epochs_set", None)
                 for name, loader in loaders.items()
             }
+        if self.out_dir is None:
+            return
         path = Path(self.out_dir) / f"rank{self.global_rank}.json"
         previous = json.loads(path.read_text()) if path.exists() else {"seen": {}, "facts": {}}
         previous["seen"].update(self.seen)
@@ -233,6 +237,11 @@ class CountingDDP(CustomDDP):
         wrapped.register_comm_hook(None, counting_allreduce)  # type: ignore[operator]
         self.recorded = {"configure_ddp_override_used": True}
         return wrapped
+
+
+def records(model: Recorder) -> Dict[str, Any]:
+    """What ``model`` would write on teardown, as :func:`read_ranks` reads it back (JSON's types)."""
+    return json.loads(json.dumps({"seen": model.seen, "facts": model.facts}))
 
 
 def read_ranks(out_dir: str, world_size: int) -> List[Dict[str, Any]]:

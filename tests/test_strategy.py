@@ -1,19 +1,26 @@
-"""CustomDDP with real lightning.pytorch.Trainer runs on 2 CPU processes (spawn launcher inside pytest)."""
+"""CustomDDP with real lightning.pytorch.Trainer runs on 2 CPU processes.
+
+Most runs are the calls of ``RANK_CALLS``, made one after another on two ranks started once for the module, as a
+script run by torchrun makes several Trainers (``on_two_ranks``, see ``distributed_helpers.call_on_ranks``): each
+test checks its call's outcome on every rank. Runs about Lightning's launchers (spawn, fork server, popen), or
+that leave a rank waiting for a launcher to end the job, start their own ranks.
+"""
 from __future__ import annotations
 
 import functools
 import os
 import re
+import traceback
 import warnings
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed_helpers import run_python, single_rank_in_this_process
+from distributed_helpers import CallOutcomes, RankCalls, run_python, single_rank_in_this_process
 from lightning.pytorch.strategies import StrategyRegistry
 from packaging.version import Version
 from scenarios import (
@@ -25,12 +32,14 @@ from scenarios import (
     IndexDataset,
     LengthBuckets,
     PKBatches,
+    ALLREDUCE_ROUNDS,
     Recorder,
     counting_allreduce,
     labels_for,
     line_loader,
     loaders_by_kind,
     read_ranks,
+    records,
     trainer_kwargs,
 )
 from reliability_common import free_port
@@ -49,18 +58,45 @@ HERE = Path(__file__).parent
 # string, and no rank left behind (tests that run no ranks pay only a look at /proc).
 pytestmark = pytest.mark.usefixtures("spawn_job")
 
+#: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
+RANK_CALLS: RankCalls = {}
+
+
+def records_and_error(model: Recorder, run: Callable[[], Any]) -> Dict[str, Any]:
+    """``run()`` on this rank; what ``model`` recorded meanwhile (see ``records``), and under ``"error"`` the
+    traceback of what ``run`` raised (None if nothing): for runs that must fail before they train."""
+    try:
+        run()
+    except Exception:
+        return {**records(model), "error": traceback.format_exc()}
+    return {**records(model), "error": None}
+
+
+def assert_raised(result: Dict[str, Any], pattern: str) -> str:
+    """The error of a :func:`records_and_error` result, which must match ``pattern``."""
+    assert result["error"] is not None, f"the run raised nothing; expected {pattern!r}"
+    assert re.search(pattern, result["error"], re.DOTALL), f"{pattern!r} not found in:\n{result['error']}"
+    return result["error"]
+
 
 def batches_of(rank_report: Dict[str, Any], key: str, epoch: int) -> List[List[int]]:
     return [indices for e, indices in rank_report["seen"][key] if e == epoch]
 
 
-def test_every_kind_of_custom_sampler_is_dealt_disjointly(tmp_path: Path) -> None:
+def _fit_every_kind() -> Dict[str, Any]:
+    val = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=5))
+    model = Recorder()
+    pl.Trainer(strategy=CustomDDP(timeout=TEST_PG_TIMEOUT), **trainer_kwargs()).fit(model, loaders_by_kind(), val)
+    return records(model)
+
+
+RANK_CALLS["every kind"] = (_fit_every_kind, ())
+
+
+def test_every_kind_of_custom_sampler_is_dealt_disjointly(on_two_ranks: CallOutcomes) -> None:
     """The four sampler kinds stock Lightning crashes on or silently duplicates, in one 2-epoch fit."""
     loaders = loaders_by_kind()
-    val = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=5))
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs())
-    trainer.fit(Recorder(str(tmp_path)), train_dataloaders=loaders, val_dataloaders=val)
-    ranks = read_ranks(str(tmp_path), 2)
+    ranks = [outcome.returned() for outcome in on_two_ranks["every kind"]]
     for name, loader in loaders.items():
         for epoch in range(2):
             user_sampler = loader.batch_sampler if name != "index_sampler" else None
@@ -90,87 +126,112 @@ def test_every_kind_of_custom_sampler_is_dealt_disjointly(tmp_path: Path) -> Non
     assert not {tuple(b) for b in val_seen[0]} & {tuple(b) for b in val_seen[1]}
 
 
-def test_configure_ddp_override_and_one_allreduce_per_optimizer_step(tmp_path: Path) -> None:
+def _count_allreduce_rounds(accumulate: int) -> Dict[str, Any]:
+    ALLREDUCE_ROUNDS[0] = 0  # this process's count: earlier calls on these ranks may have counted too
+    if accumulate == 4:  # the hook registered in a configure_ddp override
+        strategy: CustomDDP = CountingDDP(timeout=TEST_PG_TIMEOUT)
+    else:  # ddp_comm_hook= on gloo
+        strategy = CustomDDP(timeout=TEST_PG_TIMEOUT, ddp_comm_hook=counting_allreduce)
+    model = Recorder()
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=accumulate))
+    trainer.fit(model, DataLoader(IndexDataset(32), batch_size=1))  # 16 batches of 1 per rank
+    return records(model)
+
+
+RANK_CALLS.update({f"allreduce rounds, accumulate {n}": (_count_allreduce_rounds, (n,)) for n in (4, 1)})
+
+
+def test_configure_ddp_override_and_one_allreduce_per_optimizer_step(on_two_ranks: CallOutcomes) -> None:
     """Counted by a comm hook: accumulate 4 -> 1 all-reduce round per optimizer step, not per micro-batch."""
-    data = IndexDataset(32)  # 16 batches of 1 per rank
-    rounds = {}
-    for accumulate, strategy in (
-        # hook registered in a configure_ddp override
-        (4, CountingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT)),
-        # ddp_comm_hook= on gloo
-        (1, CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, ddp_comm_hook=counting_allreduce)),
-    ):
-        out = tmp_path / f"acc{accumulate}"
-        out.mkdir()
-        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1, accumulate_grad_batches=accumulate))
-        trainer.fit(Recorder(str(out)), DataLoader(data, batch_size=1))
-        report = read_ranks(str(out), 2)[0]
-        rounds[accumulate] = report["facts"]["allreduce_rounds"]
-        if accumulate == 4:
-            assert report["facts"].get("configure_ddp_override_used") is True
-    assert rounds == {4: 16 // 4, 1: 16}
+    for accumulate in (4, 1):
+        for outcome in on_two_ranks[f"allreduce rounds, accumulate {accumulate}"]:
+            facts = outcome.returned()["facts"]
+            assert facts["allreduce_rounds"] == 16 // accumulate, accumulate
+            assert facts.get("configure_ddp_override_used") is (True if accumulate == 4 else None)
 
 
-def test_unseeded_sampler_fails_before_the_first_optimizer_step(tmp_path: Path) -> None:
+def _fit_unseeded() -> Dict[str, Any]:
     loader = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=None))
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
-    with pytest.raises(Exception, match="does not produce the same sequence on every rank") as raised:
-        trainer.fit(Recorder(str(tmp_path)), loader)
-    assert "PKBatches" in str(raised.value) and "Seed the sampler" in str(raised.value)
-    assert not list(tmp_path.glob("rank*.json")), "training went on with overlapping shares"
+    model, trainer = Recorder(), pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs(max_epochs=1))
+    return records_and_error(model, lambda: trainer.fit(model, loader))
 
 
-class MarksItsSteps(Recorder):
-    """A Recorder that leaves a file for every training step it takes, at once (a Recorder writes at teardown)."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        Path(self.out_dir, f"step{self.global_rank}-{self.global_step}").touch()
-        return super().training_step(batch, batch_idx)
+RANK_CALLS["unseeded"] = (_fit_unseeded, ())
 
 
-@pytest.mark.parametrize("shuffle_window", [None, 1, 8])
+def test_unseeded_sampler_fails_before_the_first_optimizer_step(on_two_ranks: CallOutcomes) -> None:
+    for outcome in on_two_ranks["unseeded"]:
+        result = outcome.returned()
+        error = assert_raised(result, "does not produce the same sequence on every rank")
+        assert "PKBatches" in error and "Seed the sampler" in error
+        assert "train/only" not in result["seen"], "training went on with overlapping shares"
+
+
+def _fit_diverging(same: int, shuffle_window: Optional[int], max_epochs: int) -> Dict[str, Any]:
+    loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=same, total=80))
+    val = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=80, total=80))  # consistent: no false alarm
+    strategy = CustomDDP(
+        timeout=TEST_PG_TIMEOUT, shuffle_batches_between_ranks=shuffle_window is not None, shuffle_window=shuffle_window
+    )
+    model, trainer = Recorder(), pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=max_epochs))
+    return records_and_error(model, lambda: trainer.fit(model, loader, val))
+
+
+SHUFFLE_WINDOWS = [None, 1, 8]
+RANK_CALLS.update({f"diverging in the head, window {w}": (_fit_diverging, (2, w, 1)) for w in SHUFFLE_WINDOWS})
+RANK_CALLS.update({f"diverging after the head, {n} epochs": (_fit_diverging, (70, None, n)) for n in (1, 2)})
+
+
+@pytest.mark.parametrize("shuffle_window", SHUFFLE_WINDOWS)
 def test_a_sampler_diverging_inside_the_head_fails_before_the_first_optimizer_step(
-    tmp_path: Path, shuffle_window: Optional[int]
+    on_two_ranks: CallOutcomes, shuffle_window: Optional[int]
 ) -> None:
     """The ranks agree on the first round only: the first check compares the whole head (64 batches), which the
     wrapper reads before it yields its first batch, in order or shuffled within windows."""
-    loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=2, total=80))
-    strategy = CustomDDP(
-        start_method="spawn", timeout=TEST_PG_TIMEOUT, shuffle_batches_between_ranks=shuffle_window is not None,
-        shuffle_window=shuffle_window,
-    )
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
-    with pytest.raises(Exception, match="DivergesAfter does not produce the same sequence on every rank"):
-        trainer.fit(MarksItsSteps(str(tmp_path)), loader)
-    assert not list(tmp_path.glob("step*")), "training went on with overlapping shares"
+    for outcome in on_two_ranks[f"diverging in the head, window {shuffle_window}"]:
+        result = outcome.returned()
+        assert_raised(result, "DivergesAfter does not produce the same sequence on every rank")
+        assert "train/only" not in result["seen"], "training went on with overlapping shares"
 
 
 @pytest.mark.parametrize("max_epochs", [1, 2])
-def test_a_sampler_diverging_after_the_head_fails_at_the_end_of_its_epoch(tmp_path: Path, max_epochs: int) -> None:
+def test_a_sampler_diverging_after_the_head_fails_at_the_end_of_its_epoch(
+    on_two_ranks: CallOutcomes, max_epochs: int
+) -> None:
     """Past the head, the digest samples the sequence; Lightning stops at the last batch (it knows the length),
     so the wrapper takes the epoch's digest when it deals its final block, and the next epoch's first step, or
     the end of training, compares it."""
-    loader = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=70, total=80))
-    val = DataLoader(IndexDataset(), batch_sampler=DivergesAfter(same=80, total=80))  # consistent: no false alarm
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=max_epochs))
-    with pytest.raises(Exception, match="the sequences it yielded in epoch 0 differ between rank 0 and rank 1"):
-        trainer.fit(Recorder(str(tmp_path)), loader, val)
+    for outcome in on_two_ranks[f"diverging after the head, {max_epochs} epochs"]:
+        result = outcome.returned()
+        assert_raised(result, "the sequences it yielded in epoch 0 differ between rank 0 and rank 1")
+        assert len(result["seen"]["train/only"]) == 40  # the whole of epoch 0, and not a step of epoch 1
 
 
-def test_empty_batch_sampler_is_a_clear_error(tmp_path: Path) -> None:
+def _fit_empty() -> None:
     loader = DataLoader(IndexDataset(), batch_sampler=PKBatches([], p=2, k=4))
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
-    with pytest.raises(Exception, match="PKBatches is empty"):
-        trainer.fit(Recorder(str(tmp_path)), loader)
+    pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs(max_epochs=1)).fit(Recorder(), loader)
 
 
-def test_use_distributed_sampler_false_is_respected(tmp_path: Path) -> None:
-    loader = DataLoader(IndexDataset(), batch_size=8)
-    trainer = pl.Trainer(
-        strategy="ddp_custom_sampler_spawn", use_distributed_sampler=False, **trainer_kwargs(max_epochs=1)
-    )
-    trainer.fit(Recorder(str(tmp_path)), loader)
-    ranks = read_ranks(str(tmp_path), 2)
+RANK_CALLS["empty"] = (_fit_empty, ())
+
+
+def test_empty_batch_sampler_is_a_clear_error(on_two_ranks: CallOutcomes) -> None:
+    for outcome in on_two_ranks["empty"]:
+        outcome.raised("PKBatches is empty")
+
+
+def _fit_undealt() -> Dict[str, Any]:
+    model = Recorder()
+    trainer = pl.Trainer(strategy="ddp_custom_sampler", use_distributed_sampler=False, **trainer_kwargs(max_epochs=1))
+    trainer.fit(model, DataLoader(IndexDataset(), batch_size=8))
+    return records(model)
+
+
+RANK_CALLS["use_distributed_sampler=False"] = (_fit_undealt, ())
+
+
+def test_use_distributed_sampler_false_is_respected(on_two_ranks: CallOutcomes) -> None:
+    ranks = [outcome.returned() for outcome in on_two_ranks["use_distributed_sampler=False"]]
     everything = [list(range(i, i + 8)) for i in range(0, DATASET_SIZE, 8)]
     assert batches_of(ranks[0], "train/only", 0) == batches_of(ranks[1], "train/only", 0) == everything
 
@@ -450,11 +511,18 @@ class Predictor(Recorder):
         self.teardown("predict")
 
 
-def test_predict_is_sharded_by_lightning(tmp_path: Path) -> None:
+def _predict_plainly() -> Dict[str, Any]:
+    model, trainer = Predictor(), pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs())
+    trainer.predict(model, DataLoader(IndexDataset(), batch_size=8), return_predictions=False)
+    return records(model)
+
+
+RANK_CALLS["predict"] = (_predict_plainly, ())
+
+
+def test_predict_is_sharded_by_lightning(on_two_ranks: CallOutcomes) -> None:
     """Predict loaders are left to Lightning, which splits them across ranks without padding."""
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs())
-    trainer.predict(Predictor(str(tmp_path)), DataLoader(IndexDataset(), batch_size=8), return_predictions=False)
-    ranks = read_ranks(str(tmp_path), 2)
+    ranks = [outcome.returned() for outcome in on_two_ranks["predict"]]
     seen = [i for report in ranks for _, batch in report["seen"]["predict/only"] for i in batch]
     assert sorted(seen) == list(range(DATASET_SIZE))
 
@@ -492,17 +560,26 @@ class SelfShardingPredictor(Predictor):
         return patch_dataloader_to_ddp(loader, even_shares=False)
 
 
-@pytest.mark.parametrize("loader_kind", ["batch_sampler", "index_sampler", "batch_size"])
-def test_a_loader_sharded_in_predict_dataloader_predicts_each_sample_once(tmp_path: Path, loader_kind: str) -> None:
+def _predict_self_sharded(loader_kind: str) -> Dict[str, Any]:
+    model, trainer = SelfShardingPredictor(), pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs())
+    model.loader_kind = loader_kind
+    trainer.predict(model, return_predictions=False)
+    return records(model)
+
+
+LOADER_KINDS = ["batch_sampler", "index_sampler", "batch_size"]
+RANK_CALLS.update({f"predict self-sharded, {kind}": (_predict_self_sharded, (kind,)) for kind in LOADER_KINDS})
+
+
+@pytest.mark.parametrize("loader_kind", LOADER_KINDS)
+def test_a_loader_sharded_in_predict_dataloader_predicts_each_sample_once(
+    on_two_ranks: CallOutcomes, loader_kind: str
+) -> None:
     """Lightning does not deal custom batch samplers in predict; the documented recipe does, unpadded. A loader
     our wrapper deals already is not sharded a second time by Lightning (it would skip half of each share)."""
     if loader_kind == "batch_sampler" and Version(lightning.__version__) < Version("2.3"):
         pytest.skip("Lightning before 2.3 refuses, in predict, any batch sampler that does not subclass BatchSampler")
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs())
-    model = SelfShardingPredictor(str(tmp_path))
-    model.loader_kind = loader_kind
-    trainer.predict(model, return_predictions=False)
-    ranks = read_ranks(str(tmp_path), 2)
+    ranks = [outcome.returned() for outcome in on_two_ranks[f"predict self-sharded, {loader_kind}"]]
     shares = [[i for _, batch in report["seen"]["predict/only"] for i in batch] for report in ranks]
     assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE)) and all(shares)
     assert [report["facts"]["gathered"] for report in ranks] == [list(map(float, range(DATASET_SIZE)))] * 2
@@ -530,11 +607,18 @@ class SubclassLoaders(Recorder):
         return KeyedLoader(IndexDataset(), "vk", 8)
 
 
-def test_dataloader_subclass_keeps_its_class(tmp_path: Path) -> None:
+def _fit_subclass_loaders() -> Dict[str, Any]:
+    model = SubclassLoaders()
+    pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs(max_epochs=1)).fit(model)
+    return records(model)
+
+
+RANK_CALLS["subclass loaders"] = (_fit_subclass_loaders, ())
+
+
+def test_dataloader_subclass_keeps_its_class(on_two_ranks: CallOutcomes) -> None:
     """A DataLoader subclass is rebuilt as itself around the sharded (batch) sampler, not as a plain DataLoader."""
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
-    trainer.fit(SubclassLoaders(str(tmp_path)))
-    ranks = read_ranks(str(tmp_path), 2)
+    ranks = [outcome.returned() for outcome in on_two_ranks["subclass loaders"]]
     expected = [list(b) for b in LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8)]
     assert [batches_of(ranks[r], "train/tk", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
     val = [i for r in range(2) for batch in batches_of(ranks[r], "val/vk", 0) for i in batch]
@@ -625,14 +709,21 @@ class Reloading(Recorder):
         self.facts.setdefault("epochs_given", []).append(user_sampler.epochs_set)
 
 
-def test_reloaded_loaders_replace_the_watched_wrappers(tmp_path: Path) -> None:
+def _fit_reloading() -> Dict[str, Any]:
+    model = Reloading()
+    options = trainer_kwargs(max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    pl.Trainer(strategy="ddp_custom_sampler", **options).fit(model)
+    return records(model)
+
+
+RANK_CALLS["reloading"] = (_fit_reloading, ())
+
+
+def test_reloaded_loaders_replace_the_watched_wrappers(on_two_ranks: CallOutcomes) -> None:
     """reload_dataloaders_every_n_epochs=1 with new samplers each time: the wrappers checked do not pile up, and
     each sampler is given its epoch once."""
-    trainer = pl.Trainer(
-        strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=3, reload_dataloaders_every_n_epochs=1)
-    )
-    trainer.fit(Reloading(str(tmp_path)))
-    for report in read_ranks(str(tmp_path), 2):
+    for outcome in on_two_ranks["reloading"]:
+        report = outcome.returned()
         assert report["facts"]["watched"] == [[1, 1]] * 3
         # Each new sampler is given its epoch once (the strategy sets it first, then Lightning's loop): a sampler
         # whose set_epoch advances a curriculum must not advance twice.
@@ -659,11 +750,19 @@ class RaiseTheLimit(pl.Callback):
         trainer.train_dataloader.batch_sampler.limit = 4 * (trainer.current_epoch + 1)  # type: ignore[union-attr]
 
 
-def test_a_callback_setting_the_batch_samplers_attribute_reaches_the_users_sampler(tmp_path: Path) -> None:
+def _fit_raising_the_limit() -> Dict[str, Any]:
+    model = Recorder()
+    trainer = pl.Trainer(strategy="ddp_custom_sampler", callbacks=[RaiseTheLimit()], **trainer_kwargs())
+    trainer.fit(model, DataLoader(IndexDataset(), batch_sampler=CurriculumBatches()))
+    return records(model)
+
+
+RANK_CALLS["raising the limit"] = (_fit_raising_the_limit, ())
+
+
+def test_a_callback_setting_the_batch_samplers_attribute_reaches_the_users_sampler(on_two_ranks: CallOutcomes) -> None:
     """Set on the wrapper, ``limit`` would change nothing, silently: it is the user's sampler's, set through."""
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", callbacks=[RaiseTheLimit()], **trainer_kwargs())
-    trainer.fit(Recorder(str(tmp_path)), DataLoader(IndexDataset(), batch_sampler=CurriculumBatches()))
-    ranks = read_ranks(str(tmp_path), 2)
+    ranks = [outcome.returned() for outcome in on_two_ranks["raising the limit"]]
     for epoch, expected in ((0, range(4)), (1, range(8))):
         seen = {i for r in range(2) for batch in batches_of(ranks[r], "train/only", epoch) for i in batch}
         assert seen == set(expected), f"epoch {epoch}"
@@ -908,12 +1007,22 @@ class SeededPerRank(Recorder):
         pl.seed_everything(100 + self.global_rank)
 
 
-def test_ranks_seeded_differently_still_deal_disjoint_shares_of_a_plain_loader(tmp_path: Path) -> None:
+def _fit_seeded_per_rank() -> Dict[str, Any]:
+    model = SeededPerRank()
+    pl.Trainer(strategy="ddp_custom_sampler", **trainer_kwargs(max_epochs=1)).fit(
+        model, DataLoader(IndexDataset(), batch_size=4, shuffle=True)
+    )
+    return records(model)
+
+
+RANK_CALLS["seeded per rank"] = (_fit_seeded_per_rank, ())
+
+
+def test_ranks_seeded_differently_still_deal_disjoint_shares_of_a_plain_loader(on_two_ranks: CallOutcomes) -> None:
     """The default seed is rank 0's seed_everything seed: per-rank seeds would give each rank's DistributedSampler
     another permutation, so the shares would overlap and miss samples, silently."""
-    trainer = pl.Trainer(strategy="ddp_custom_sampler_spawn", **trainer_kwargs(max_epochs=1))
-    trainer.fit(SeededPerRank(str(tmp_path)), DataLoader(IndexDataset(), batch_size=4, shuffle=True))
-    shares = [[i for _, batch in report["seen"]["train/only"] for i in batch] for report in read_ranks(str(tmp_path), 2)]
+    reports = [outcome.returned() for outcome in on_two_ranks["seeded per rank"]]
+    shares = [[i for _, batch in report["seen"]["train/only"] for i in batch] for report in reports]
     assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE))
 
 
