@@ -266,7 +266,10 @@ def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0)
     them. Returns each call's outcome per rank, in rank order; a call that raised does not stop the next.
 
     The ranks come from :func:`run_distributed` (its deadline and clean-up). Lightning's launchers are not
-    involved: the tests of launching and exiting start their own ranks."""
+    involved: the tests of launching and exiting start their own ranks. Each call starts with the environment
+    variables and fresh random seeds of a new process, but what else a process keeps (module globals, warnings
+    given once per process) carries over from call to call: a run that checks such a count or warning resets
+    it first, or starts ranks of its own."""
     per_rank = run_distributed(_call_each, world_size, calls, timeout=timeout)
     return CallOutcomes({name: [outcomes[name] for outcomes in per_rank] for name in calls})
 
