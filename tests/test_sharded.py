@@ -1,16 +1,24 @@
 """CustomDDPSharded: real Trainer runs on 2 CPU processes against CustomDDP, and its parts on real gloo ranks.
 
-The Trainer runs share a module-scoped fixture (each spawn run costs 10-20 s here): one CustomDDP and one
-CustomDDPSharded fit of the same seeded job, with a validation loop (sanity check included, eval_mode="exact"
-with an odd number of validation batches), accumulate_grad_batches=2, norm clipping that is active at every
-step, Adam with a per-step LR schedule nested in a ChainedScheduler and a SequentialLR, and a BatchNorm buffer.
-Each silent error of a straight port of Lightning 1.x's ``ddp_sharded`` makes the sharded run differ from the
-CustomDDP one, or hang (every run has a process-group timeout and a test timeout).
+Most Trainer runs here are the calls of ``RANK_CALLS``, made one after another on two ranks started once for the
+module, as a script run by torchrun makes several Trainers (``on_two_ranks``, see
+``distributed_helpers.call_on_ranks``): starting ranks (10-20 s a spawn launch here), not the runs, is what costs.
+Each test then checks its call's outcome on every rank. Two of the calls are one CustomDDP and one CustomDDPSharded
+fit of the same seeded job, with a validation loop (sanity check included, eval_mode="exact" with an odd number of
+validation batches), accumulate_grad_batches=2, norm clipping that is active at every step, Adam with a per-step LR
+schedule nested in a ChainedScheduler and a SequentialLR, and a BatchNorm buffer; later calls resume from their
+checkpoints. Each silent error of a straight port of Lightning 1.x's ``ddp_sharded`` makes the sharded run differ
+from the CustomDDP one, or hang (every run has a process-group timeout, the ranks a deadline). One test launches
+through Lightning's spawn launcher: a refusal on one rank only, which the launcher turns into the job's end.
 """
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 import textwrap
+import uuid
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,13 +30,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from benchmark_scripts import load_benchmark
-from distributed_helpers import run_distributed, run_python
+from distributed_helpers import CallOutcomes, RankCalls, run_distributed, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port
 from scenarios import BackboneAndHead, ConstantLossOnRankOne, PKBatches, labels_for, line_loader, trainer_kwargs
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -41,9 +48,34 @@ SIZE = 64  # 8 P x K batches of 8: 4 per rank, 2 optimizer steps per epoch with 
 CLIP = 0.05  # far below the gradient norms of this job, so clipping acts at every step
 RUN_TIMEOUT = timedelta(seconds=60)  # process-group timeout: a hang fails the run instead of the suite
 
-# Every test that spawns ranks: a fresh port and no rank left behind (see conftest.spawn_job; the module-scoped
-# fits of `runs` do the same through `fresh_job`). Tests that run no ranks pay only a look at /proc.
+# Every test that spawns ranks: a fresh port and no rank left behind (see conftest.spawn_job). Tests that run no
+# ranks, or check the calls of RANK_CALLS (whose ranks run_distributed ends), pay only a look at /proc.
 pytestmark = pytest.mark.usefixtures("spawn_job")
+
+#: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
+RANK_CALLS: RankCalls = {}
+
+#: Where calls save checkpoints that later calls resume from (the ranks share this machine's disk): given to them as
+#: an argument (a rank's own import of this module names another directory), made by the run that saves there,
+#: removed after the module's tests.
+CHECKPOINTS = Path(tempfile.gettempdir()) / f"test_sharded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checkpoints_removed() -> Iterator[None]:
+    """Remove ``CHECKPOINTS`` once the module's tests are done."""
+    yield
+    shutil.rmtree(CHECKPOINTS, ignore_errors=True)
+
+
+def returned(on_two_ranks: CallOutcomes, name: str) -> List[Any]:
+    """What the call ``name`` returned on each rank, in rank order; fails with a rank's traceback if it raised."""
+    return [outcome.returned() for outcome in on_two_ranks[name]]
+
+
+def weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """A copy of ``module``'s state dict, to return from a call."""
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------- the job
@@ -72,9 +104,9 @@ def val_loader() -> DataLoader:
 
 
 class Regressor(pl.LightningModule):
-    """A small MLP with a BatchNorm buffer; writes what each rank saw to ``<out_dir>/rank<R>.pt`` at the end."""
+    """A small MLP with a BatchNorm buffer; keeps what its rank saw in ``report`` at the end of training."""
 
-    def __init__(self, out_dir: str, inf_gradient_at_first_step: bool = False) -> None:
+    def __init__(self, inf_gradient_at_first_step: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
@@ -84,11 +116,11 @@ class Regressor(pl.LightningModule):
         )
         # Only one rank owns `spare`: with an inf gradient there, only that rank's shard finds it.
         self.spare = torch.nn.Parameter(torch.ones(16))
-        self.out_dir = out_dir
         self.inf_gradient_at_first_step = inf_gradient_at_first_step
         self.losses: List[float] = []
         self.clipped_norms: List[float] = []
         self.lrs: List[float] = []  # the learning rate each optimizer step applied
+        self.report: Dict[str, Any] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -124,7 +156,7 @@ class Regressor(pl.LightningModule):
         optimizer = self.trainer.optimizers[0]
         shard = getattr(optimizer, "optim", optimizer)  # OSS keeps this rank's state in its shard optimizer
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        report = {
+        self.report = {
             "losses": self.losses,
             "clipped_norms": self.clipped_norms,
             "weights": {k: v.detach().clone() for k, v in self.state_dict().items()},
@@ -140,7 +172,6 @@ class Regressor(pl.LightningModule):
             "scaler": type(scaler).__name__ if scaler is not None else None,
             "scale": scaler.get_scale() if scaler is not None else None,
         }
-        torch.save(report, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
 def nested_schedule(optimizer: torch.optim.Optimizer) -> Any:
@@ -164,60 +195,57 @@ def expected_lrs(steps: int) -> List[float]:
 
 
 def fit(
-    out: Path,
     strategy: pl.strategies.Strategy,
     epochs: int = 2,
-    checkpoint_every_epoch: bool = False,
+    checkpoints: Optional[Path] = None,
     ckpt_path: Optional[str] = None,
     module: Optional[Regressor] = None,
     **overrides: Any,
-) -> List[Dict[str, Any]]:
-    """One 2-process fit of the job; returns each rank's report."""
-    out.mkdir(parents=True, exist_ok=True)
+) -> Dict[str, Any]:
+    """One 2-process fit of the job, on the module's ranks; returns this rank's report. With ``checkpoints``, a
+    checkpoint is saved there after each epoch."""
     callbacks = []
-    if checkpoint_every_epoch:
+    if checkpoints is not None:
         callbacks.append(
-            ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
+            ModelCheckpoint(dirpath=checkpoints, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
         )
     kwargs = trainer_kwargs(
         max_epochs=epochs,
         accumulate_grad_batches=2,
         gradient_clip_val=CLIP,
         num_sanity_val_steps=1,
-        enable_checkpointing=checkpoint_every_epoch,
+        enable_checkpointing=checkpoints is not None,
         callbacks=callbacks,
     )
     kwargs.update(overrides)
-    trainer = pl.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(module or Regressor(str(out)), train_loader(), val_loader(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    module = module or Regressor()
+    pl.Trainer(strategy=strategy, **kwargs).fit(module, train_loader(), val_loader(), ckpt_path=ckpt_path)
+    return module.report
 
 
-def spawn(cls: type, **kwargs: Any) -> Any:
-    return cls(start_method="spawn", eval_mode="exact", timeout=RUN_TIMEOUT, **kwargs)
+def joined(cls: type, **kwargs: Any) -> Any:
+    """A strategy for a Trainer on the module's ranks: without a start method, it joins their process group."""
+    return cls(eval_mode="exact", timeout=RUN_TIMEOUT, **kwargs)
 
 
-@contextmanager
-def fresh_job() -> Iterator[None]:
-    """What the spawn_job fixture gives a test, for a module-scoped fixture (which cannot use it): a fresh
-    port, restored afterwards, and a failure (killing them) if a rank outlives the job."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MASTER_ADDR", "127.0.0.1")
-        patch.setenv("MASTER_PORT", str(free_port()))
-        before = children_baseline()
-        yield
-        assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)
+def _fit_with_checkpoints(strategy_class: type, checkpoints: str) -> Dict[str, Any]:
+    """The 2-epoch job with a checkpoint after each epoch: this rank's report, and the first checkpoint's optimizer
+    state (the whole optimizer's, consolidated)."""
+    report = fit(joined(strategy_class), checkpoints=Path(checkpoints))
+    saved = torch.load(Path(checkpoints) / "epoch=0.ckpt", weights_only=False)["optimizer_states"][0]
+    return {**report, "epoch_0_optimizer_state": saved}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
-    """The same 2-epoch job under CustomDDP and under CustomDDPSharded, with a checkpoint after each epoch."""
-    root = tmp_path_factory.mktemp("sharded")
-    with fresh_job():
-        ddp = fit(root / "ddp", spawn(CustomDDP), checkpoint_every_epoch=True)
-    with fresh_job():
-        sharded = fit(root / "sharded", spawn(CustomDDPSharded), checkpoint_every_epoch=True)
-    return {"root": root, "ddp": ddp, "sharded": sharded}
+#: The same 2-epoch job under CustomDDP and under CustomDDPSharded, with a checkpoint after each epoch.
+JOB_RUNS = {"ddp": CustomDDP, "sharded": CustomDDPSharded}
+RANK_CALLS.update(
+    {f"fit, {name}": (_fit_with_checkpoints, (cls, str(CHECKPOINTS / name))) for name, cls in JOB_RUNS.items()}
+)
+
+
+def job_runs(on_two_ranks: CallOutcomes) -> Dict[str, List[Dict[str, Any]]]:
+    """Each rank's report of the job's runs, by the run's name in ``JOB_RUNS``."""
+    return {name: returned(on_two_ranks, f"fit, {name}") for name in JOB_RUNS}
 
 
 BUFFERS = ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked")
@@ -242,8 +270,7 @@ def assert_same_weights(
 
 # ---------------------------------------------------------------------------------------------- Trainer runs
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_trains_like_custom_ddp(runs: Dict[str, Any]) -> None:
+def test_trains_like_custom_ddp(on_two_ranks: CallOutcomes) -> None:
     """Same losses and final weights as CustomDDP, on both ranks.
 
     Fails without: the wrapper back in train mode (SDP stops reducing after the sanity check), validation
@@ -253,6 +280,7 @@ def test_trains_like_custom_ddp(runs: Dict[str, Any]) -> None:
     accumulation (the second micro-batch's reduction halved the first's gradient); ours, which reduces
     every backward pass correctly, trains right without it too, and no_sync saves the extra reductions.
     """
+    runs = job_runs(on_two_ranks)
     for rank in range(2):
         ddp, sharded = runs["ddp"][rank], runs["sharded"][rank]
         assert len(sharded["losses"]) == len(ddp["losses"]) == 2 * 4  # 2 epochs x 4 micro-batches per rank
@@ -267,17 +295,17 @@ def test_trains_like_custom_ddp(runs: Dict[str, Any]) -> None:
 
 
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_clipping_uses_the_global_norm(runs: Dict[str, Any]) -> None:
+def test_clipping_uses_the_global_norm(on_two_ranks: CallOutcomes) -> None:
     """After clipping, the whole model's gradient norm is the clip value (per-shard clipping leaves up to sqrt(2)x)."""
+    runs = job_runs(on_two_ranks)
     for report in runs["sharded"] + runs["ddp"]:
         assert len(report["clipped_norms"]) == 4
         assert report["clipped_norms"] == pytest.approx([CLIP] * 4, rel=1e-4)
 
 
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_optimizer_is_oss_with_smaller_per_rank_state(runs: Dict[str, Any]) -> None:
+def test_optimizer_is_oss_with_smaller_per_rank_state(on_two_ranks: CallOutcomes) -> None:
+    runs = job_runs(on_two_ranks)
     full = runs["ddp"][0]["state_bytes"]
     shards = [report["state_bytes"] for report in runs["sharded"]]
     assert all("OSS" in report["optimizer_mro"] for report in runs["sharded"])
@@ -286,16 +314,14 @@ def test_optimizer_is_oss_with_smaller_per_rank_state(runs: Dict[str, Any]) -> N
 
 
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_rank_zero_drops_the_consolidated_state_after_saving(runs: Dict[str, Any]) -> None:
+def test_rank_zero_drops_the_consolidated_state_after_saving(on_two_ranks: CallOutcomes) -> None:
     """OSS keeps the whole optimizer's state on rank 0 after consolidating it for a checkpoint (here after the
     last epoch's save); the strategy drops it once the checkpoint has it."""
-    assert [report["consolidated_states"] for report in runs["sharded"]] == [0, 0]
+    assert [report["consolidated_states"] for report in job_runs(on_two_ranks)["sharded"]] == [0, 0]
 
 
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_nested_lr_schedulers_drive_the_shard_optimizer(runs: Dict[str, Any]) -> None:
+def test_nested_lr_schedulers_drive_the_shard_optimizer(on_two_ranks: CallOutcomes) -> None:
     """A ChainedScheduler over a SequentialLR: every child scheduler is re-pointed at the OSS optimizer.
 
     Re-pointing only the top-level scheduler left the children writing into the discarded optimizer: the
@@ -303,20 +329,36 @@ def test_nested_lr_schedulers_drive_the_shard_optimizer(runs: Dict[str, Any]) ->
     """
     expected = expected_lrs(4)
     assert len(set(expected)) == 4  # every step changes it, through both levels of nesting
+    runs = job_runs(on_two_ranks)
     for ddp, sharded in zip(runs["ddp"], runs["sharded"]):
         assert ddp["lrs"] == pytest.approx(expected)
         assert sharded["lrs"] == pytest.approx(expected)
 
 
+def _resume(strategy_class: type, ckpt_path: str) -> Dict[str, Any]:
+    return fit(joined(strategy_class), ckpt_path=ckpt_path)
+
+
+#: name: (strategy, the run of JOB_RUNS whose epoch-0 checkpoint it resumes, the run whose 2nd epoch it must equal)
+RESUMES = {
+    "sharded_from_sharded": (CustomDDPSharded, "sharded", "sharded"),
+    "ddp_from_sharded": (CustomDDP, "sharded", "ddp"),
+    "sharded_from_ddp": (CustomDDPSharded, "ddp", "sharded"),
+}
+RANK_CALLS.update(
+    {
+        f"resume, {name}": (_resume, (cls, str(CHECKPOINTS / source / "epoch=0.ckpt")))
+        for name, (cls, source, _) in RESUMES.items()
+    }
+)
+
+
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_resume_equals_uninterrupted_and_checkpoints_interchange(runs: Dict[str, Any]) -> None:
+def test_resume_equals_uninterrupted_and_checkpoints_interchange(on_two_ranks: CallOutcomes) -> None:
     """Sharded -> sharded, sharded -> CustomDDP and CustomDDP -> sharded resumes from the epoch-0 checkpoints."""
-    root = runs["root"]
-    sharded_ckpt, ddp_ckpt = str(root / "sharded" / "epoch=0.ckpt"), str(root / "ddp" / "epoch=0.ckpt")
+    runs = job_runs(on_two_ranks)
     # The consolidated optimizer state is the plain optimizer's: same structure, same values.
-    saved_sharded = torch.load(sharded_ckpt, weights_only=False)["optimizer_states"][0]
-    saved_ddp = torch.load(ddp_ckpt, weights_only=False)["optimizer_states"][0]
+    saved_sharded, saved_ddp = (runs[name][0]["epoch_0_optimizer_state"] for name in ("sharded", "ddp"))
     assert saved_sharded["param_groups"] == saved_ddp["param_groups"]
     assert saved_sharded["state"].keys() == saved_ddp["state"].keys()
     for index, state in saved_ddp["state"].items():
@@ -324,30 +366,30 @@ def test_resume_equals_uninterrupted_and_checkpoints_interchange(runs: Dict[str,
         for key, value in state.items():
             assert torch.allclose(saved_sharded["state"][index][key], value, atol=1e-6), (index, key)
 
-    for name, strategy, ckpt, expected in (
-        ("sharded_from_sharded", spawn(CustomDDPSharded), sharded_ckpt, runs["sharded"]),
-        ("ddp_from_sharded", spawn(CustomDDP), sharded_ckpt, runs["ddp"]),
-        ("sharded_from_ddp", spawn(CustomDDPSharded), ddp_ckpt, runs["sharded"]),
-    ):
-        resumed = fit(root / name, strategy, ckpt_path=ckpt)
+    for name, (_, _, uninterrupted) in RESUMES.items():
+        resumed, expected = returned(on_two_ranks, f"resume, {name}"), runs[uninterrupted]
         for rank in range(2):
             assert resumed[rank]["losses"] == pytest.approx(expected[rank]["losses"][4:], rel=1e-5, abs=1e-6), name
             assert resumed[rank]["lrs"] == pytest.approx(expected[rank]["lrs"][2:]), name  # scheduler state restored
             assert_same_weights(resumed[rank]["weights"], expected[rank]["weights"], atol=1e-6, buffers=rank == 0)
 
 
+def _fit_16_mixed_with_an_inf_gradient_at_the_first_step() -> Dict[str, Any]:
+    module = Regressor(inf_gradient_at_first_step=True)
+    return fit(joined(CustomDDPSharded), epochs=1, module=module, plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+RANK_CALLS["16-mixed"] = (_fit_16_mixed_with_an_inf_gradient_at_the_first_step, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_16_mixed_ranks_agree_on_skipping_a_step(tmp_path: Path) -> None:
+def test_16_mixed_ranks_agree_on_skipping_a_step(on_two_ranks: CallOutcomes) -> None:
     """fp16 autocast on CPU with an inf gradient at the first step, in the shard of one rank only.
 
     With a rank-local GradScaler, that rank skips the step while the other steps and broadcasts its shard:
     ranks diverge or hang. ShardedGradScaler agrees on the skip: the scale halves once, and training goes on.
     """
-    module = Regressor(str(tmp_path), inf_gradient_at_first_step=True)
-    reports = fit(
-        tmp_path, spawn(CustomDDPSharded), epochs=1, module=module, plugins=[MixedPrecision("16-mixed", "cpu")]
-    )
+    reports = returned(on_two_ranks, "16-mixed")
     for report in reports:
         assert report["scaler"] == "ShardedGradScaler"
         assert report["scale"] == 2.0**16 * 0.5  # one skipped step, no growth (growth_interval=2000)
@@ -357,10 +399,16 @@ def test_16_mixed_ranks_agree_on_skipping_a_step(tmp_path: Path) -> None:
     assert reports[0]["weights"]["spare"].tolist() != [1.0] * 16  # the later step was taken
 
 
+def _fit_bf16_mixed() -> Dict[str, Any]:
+    return fit(joined(CustomDDPSharded), epochs=1, precision="bf16-mixed")
+
+
+RANK_CALLS["bf16-mixed"] = (_fit_bf16_mixed, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_bf16_mixed_clips_the_global_norm(tmp_path: Path) -> None:
-    reports = fit(tmp_path, spawn(CustomDDPSharded), epochs=1, precision="bf16-mixed")
+def test_bf16_mixed_clips_the_global_norm(on_two_ranks: CallOutcomes) -> None:
+    reports = returned(on_two_ranks, "bf16-mixed")
     for report in reports:
         assert report["clipped_norms"] == pytest.approx([CLIP] * 2, rel=1e-4)
         assert report["scaler"] is None
@@ -368,14 +416,13 @@ def test_bf16_mixed_clips_the_global_norm(tmp_path: Path) -> None:
 
 
 class FineTuned(BackboneAndHead):
-    """A backbone frozen at first and a head; rank 0 saves the final weights to ``<out_dir>/weights.pt``."""
+    """A backbone frozen at first and a head."""
+
+    def __init__(self) -> None:
+        super().__init__(out_dir="")  # nothing is written there: the runs return the weights
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
-
-    def on_train_end(self) -> None:
-        if self.global_rank == 0:
-            torch.save(self.state_dict(), Path(self.out_dir) / "weights.pt")
 
 
 class UnfreezeBackbone(BaseFinetuning):
@@ -389,27 +436,34 @@ class UnfreezeBackbone(BaseFinetuning):
             self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.05)
 
 
+def _fit_fine_tuned_sharded() -> Dict[str, torch.Tensor]:
+    model = FineTuned()
+    loader = DataLoader(Points(16), batch_size=2)  # per rank: dealt 0, 2, 4, ... and 1, 3, 5, ...
+    pl.Trainer(strategy=joined(CustomDDPSharded), **trainer_kwargs(callbacks=[UnfreezeBackbone()])).fit(model, loader)
+    return weights(model)
+
+
+RANK_CALLS["base finetuning"] = (_fit_fine_tuned_sharded, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_parameters_added_by_base_finetuning_train_as_on_one_process(tmp_path: Path) -> None:
-    """2 ranks with 2 samples per batch each against 1 process with the same 4 samples per batch.
+def test_parameters_added_by_base_finetuning_train_as_on_one_process(on_two_ranks: CallOutcomes) -> None:
+    """2 ranks with 2 samples per batch each against 1 process (this one) with the same 4 samples per batch.
 
     Fails without: the new group's parameters keeping to the partition the shard optimizer steps (some
     stayed at their initial values), and ShardedDataParallel reducing their gradients (each owner stepped
     on its own rank's gradient).
     """
-    loader = DataLoader(Points(16), batch_size=2)  # per rank: dealt 0, 2, 4, ... and 1, 3, 5, ...
-    kwargs = trainer_kwargs(callbacks=[UnfreezeBackbone()])
-    pl.Trainer(strategy=spawn(CustomDDPSharded), **kwargs).fit(FineTuned(str(tmp_path)), loader)
-    sharded = torch.load(tmp_path / "weights.pt", weights_only=True)
-    reference = FineTuned(str(tmp_path))
-    pl.Trainer(**{**kwargs, "devices": 1, "callbacks": [UnfreezeBackbone()]}).fit(
+    reference = FineTuned()
+    pl.Trainer(**trainer_kwargs(devices=1, callbacks=[UnfreezeBackbone()])).fit(
         reference, DataLoader(Points(16), batch_size=4)
     )
-    initial = FineTuned(str(tmp_path)).state_dict()
-    for name, value in reference.state_dict().items():
-        assert not torch.equal(value, initial[name]), name  # every parameter trained
-        assert torch.allclose(sharded[name], value, atol=1e-6), (name, (sharded[name] - value).abs().max().item())
+    initial = FineTuned().state_dict()
+    for rank, sharded in enumerate(returned(on_two_ranks, "base finetuning")):
+        for name, value in reference.state_dict().items():
+            assert not torch.equal(value, initial[name]), name  # every parameter trained
+            difference = (sharded[name] - value).abs().max().item()
+            assert torch.allclose(sharded[name], value, atol=1e-6), (rank, name, difference)
 
 
 class TwoOptimizers(pl.LightningModule):
@@ -417,16 +471,15 @@ class TwoOptimizers(pl.LightningModule):
 
     Adam steps ``a`` after the first pass; SGD steps ``b`` after the second, on the sum of ``b``'s gradients of
     both passes (no ``zero_grad`` between them). The first layer of each joins its optimizer as a new group at
-    epoch 1 (:class:`UnfreezeFirstLayers`). Rank 0 saves the final weights to ``<out_dir>/weights.pt``.
+    epoch 1 (:class:`UnfreezeFirstLayers`).
     """
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.automatic_optimization = False
-        self.out_dir = out_dir
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -441,10 +494,6 @@ class TwoOptimizers(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         trainable = lambda module: [p for p in module.parameters() if p.requires_grad]  # noqa: E731
         return torch.optim.Adam(trainable(self.a), lr=0.01), torch.optim.SGD(trainable(self.b), lr=0.05)
-
-    def on_train_end(self) -> None:
-        if self.global_rank == 0:
-            torch.save(self.state_dict(), Path(self.out_dir) / "weights.pt")
 
 
 class UnfreezeFirstLayers(BaseFinetuning):
@@ -462,59 +511,92 @@ class UnfreezeFirstLayers(BaseFinetuning):
             self.make_trainable(first)
 
 
+
+@contextmanager
+def one_process() -> Iterator[None]:
+    """Hide the variables torchrun sets from a Trainer on one of the module's ranks: a one-device Trainer there is
+    one process of its own (its global rank 0), next to the ranks' runs."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def _resume_two_optimizers_from_one_process(out: str) -> Dict[str, Any]:
+    """This rank's own one-process run of 3 epochs, then both ranks resuming its epoch-1 checkpoint sharded."""
+    checkpoint = lambda out: ModelCheckpoint(  # noqa: E731
+        dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
+    )
+    kwargs = trainer_kwargs(max_epochs=3, enable_checkpointing=True)
+    one, sharded = Path(out) / f"one_process_on_rank_{dist.get_rank()}", Path(out) / "sharded"
+    reference = TwoOptimizers()
+    with one_process():
+        pl.Trainer(**{**kwargs, "devices": 1, "callbacks": [UnfreezeFirstLayers(), checkpoint(one)]}).fit(
+            reference, DataLoader(Points(16), batch_size=4)
+        )
+    model = TwoOptimizers()
+    sharded_kwargs = {**kwargs, "callbacks": [UnfreezeFirstLayers(), checkpoint(sharded)]}
+    pl.Trainer(strategy=joined(CustomDDPSharded), **sharded_kwargs).fit(
+        model, DataLoader(Points(16), batch_size=2), ckpt_path=str(one / "epoch=1.ckpt")
+    )
+    return {
+        "reference": weights(reference),
+        "resumed_from": torch.load(one / "epoch=1.ckpt", weights_only=False)["state_dict"],
+        "weights": weights(model),
+        "reference_optimizers": torch.load(one / "epoch=2.ckpt", weights_only=False)["optimizer_states"],
+        "optimizers": torch.load(sharded / "epoch=2.ckpt", weights_only=False)["optimizer_states"],
+    }
+
+
+RANK_CALLS["two backward passes, resumed"] = (_resume_two_optimizers_from_one_process, (str(CHECKPOINTS / "two"),))
+
+
 @needs_fairscale
-@pytest.mark.timeout(240)
-def test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process(tmp_path: Path) -> None:
+def test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process(
+    on_two_ranks: CallOutcomes,
+) -> None:
     """1 process with 4 samples per batch for 3 epochs, and 2 sharded ranks with 2 each resuming its epoch-1
-    checkpoint: the same weights and optimizer state at the end.
+    checkpoint: the same weights and optimizer state at the end. (The one process runs on each rank, without the
+    variables torchrun sets: the same run on both, each rank resuming its own.)
 
     Fails without: a backward pass arming ShardedDataParallel's reduction again after the first one of a
     forward (``b`` stepped on unreduced gradients), the owner's reduced gradient scaled before a second pass
     adds to it (``b`` stepped on half of the first pass's gradient), and OSS following the groups that
     BaseFinetuning restores (Adam's state failed to load with a KeyError; SGD never stepped ``b[0]``).
     """
-    checkpoint = lambda out: ModelCheckpoint(  # noqa: E731
-        dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
-    )
-    kwargs = trainer_kwargs(max_epochs=3, enable_checkpointing=True)
-    one, sharded = tmp_path / "one_process", tmp_path / "sharded"
-    reference = TwoOptimizers(str(one))
-    pl.Trainer(**{**kwargs, "devices": 1, "callbacks": [UnfreezeFirstLayers(), checkpoint(one)]}).fit(
-        reference, DataLoader(Points(16), batch_size=4)
-    )
-    sharded_kwargs = {**kwargs, "callbacks": [UnfreezeFirstLayers(), checkpoint(sharded)]}
-    pl.Trainer(strategy=spawn(CustomDDPSharded), **sharded_kwargs).fit(
-        TwoOptimizers(str(sharded)), DataLoader(Points(16), batch_size=2), ckpt_path=str(one / "epoch=1.ckpt")
-    )
-    resumed_from = torch.load(one / "epoch=1.ckpt", weights_only=False)["state_dict"]
-    weights = torch.load(sharded / "weights.pt", weights_only=True)
-    for name, value in reference.state_dict().items():
-        assert not torch.equal(value, resumed_from[name]), name  # every parameter trained in the resumed epoch
-        assert torch.allclose(weights[name], value, atol=1e-6), (name, (weights[name] - value).abs().max().item())
-    # the consolidated state of both optimizers, restored groups included, is the one process's
-    ours = torch.load(sharded / "epoch=2.ckpt", weights_only=False)["optimizer_states"]
-    theirs = torch.load(one / "epoch=2.ckpt", weights_only=False)["optimizer_states"]
-    assert len(ours) == len(theirs) == 2
-    for mine, expected in zip(ours, theirs):
-        assert mine["param_groups"] == expected["param_groups"]
-        assert mine["state"].keys() == expected["state"].keys()
-        for index, state in expected["state"].items():
-            for key, value in state.items():
-                assert torch.allclose(mine["state"][index][key], value, atol=1e-6), (index, key)
+    results = returned(on_two_ranks, "two backward passes, resumed")
+    for name, value in results[0]["reference"].items():
+        assert torch.equal(results[1]["reference"][name], value), name  # the same one-process run on each rank
+    for rank, result in enumerate(results):
+        for name, value in result["reference"].items():
+            assert not torch.equal(value, result["resumed_from"][name]), name  # trained in the resumed epoch
+            difference = (result["weights"][name] - value).abs().max().item()
+            assert torch.allclose(result["weights"][name], value, atol=1e-6), (rank, name, difference)
+        # the consolidated state of both optimizers, restored groups included, is the one process's
+        ours, theirs = result["optimizers"], result["reference_optimizers"]
+        assert len(ours) == len(theirs) == 2
+        for mine, expected in zip(ours, theirs):
+            assert mine["param_groups"] == expected["param_groups"]
+            assert mine["state"].keys() == expected["state"].keys()
+            for index, state in expected["state"].items():
+                for key, value in state.items():
+                    assert torch.allclose(mine["state"][index][key], value, atol=1e-6), (index, key)
 
 
 class BackwardOutsideTraining(pl.LightningModule):
     """Takes an input gradient in ``validation_step`` (saliency maps, adversarial examples) and, after the fit,
     a gradient of the bare module: backward passes the strategy does not run, which must stay local, as with
     fairscale's own wrapper. They also reach ``probe``, which no training backward pass reaches (as a GAN's
-    discriminator step leaves the generator out). Each rank saves whether every such gradient was its own."""
+    discriminator step leaves the generator out). Each rank keeps whether every such gradient was its own
+    (``all_local``)."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
         self.probe = torch.nn.Linear(4, 1)
-        self.out_dir = out_dir
         self.all_local = True
 
     def check_gradients_are_local(self, x: torch.Tensor) -> None:
@@ -539,15 +621,14 @@ class BackwardOutsideTraining(pl.LightningModule):
 
     def teardown(self, stage: str) -> None:  # after the strategy's teardown
         self.check_gradients_are_local(torch.full((2, 4), float(self.global_rank + 1)))
-        torch.save(self.all_local, Path(self.out_dir) / f"rank{self.global_rank}.pt")
 
 
 class SkipsTheLastBackward(BackwardOutsideTraining):
     """Manual optimization whose last step of each epoch runs the forward but no backward (a skipped non-finite
     loss, say): nothing disarms the wrapper at a backward, so the step's end must."""
 
-    def __init__(self, out_dir: str) -> None:
-        super().__init__(out_dir)
+    def __init__(self) -> None:
+        super().__init__()
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -559,25 +640,36 @@ class SkipsTheLastBackward(BackwardOutsideTraining):
             optimizer.zero_grad()  # type: ignore[union-attr]
 
 
+def _fit_with_backward_passes_outside_training(module: type) -> bool:
+    torch.manual_seed(0)  # the same data on both ranks
+    points = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    trainer = pl.Trainer(
+        strategy=CustomDDPSharded(eval_mode="exact", timeout=timedelta(seconds=30)),
+        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
+    )
+    validation = DataLoader(TensorDataset(torch.randn(5, 4)), batch_size=2)
+    model = module()
+    trainer.fit(model, DataLoader(points, batch_size=2), validation)
+    return model.all_local
+
+
+OUTSIDE_TRAINING = [BackwardOutsideTraining, SkipsTheLastBackward]
+RANK_CALLS.update(
+    {f"outside training, {m.__name__}": (_fit_with_backward_passes_outside_training, (m,)) for m in OUTSIDE_TRAINING}
+)
+
+
 @needs_fairscale
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("module", [BackwardOutsideTraining, SkipsTheLastBackward])
-def test_backward_passes_the_strategy_does_not_run_stay_local(tmp_path: Path, module: type) -> None:
+@pytest.mark.parametrize("module", OUTSIDE_TRAINING)
+def test_backward_passes_the_strategy_does_not_run_stay_local(on_two_ranks: CallOutcomes, module: type) -> None:
     """With eval_mode="exact", rank 0 runs 2 validation steps and rank 1 one: reducing their backward passes hung
     (the wrapper re-armed at any backward after its first). After the fit, its hooks, still on the parameters' gradient
     accumulators, reduced a local backward on the bare module: the non-owners' gradients became None. The probe,
     armed by every forward and reached by no training backward, was reduced by the validation backward without
     a wait: the next epoch's first step failed in fairscale's cleanup. A step without a backward left every
     parameter armed the same way."""
-    points = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
-    trainer = pl.Trainer(
-        strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
-        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
-    )
-    validation = DataLoader(TensorDataset(torch.randn(5, 4)), batch_size=2)
-    trainer.fit(module(str(tmp_path)), DataLoader(points, batch_size=2), validation)
-    for rank in range(2):
-        assert torch.load(tmp_path / f"rank{rank}.pt") is True, rank
+    for rank, all_local in enumerate(returned(on_two_ranks, f"outside training, {module.__name__}")):
+        assert all_local is True, rank
 
 
 class HeadPerTask(pl.LightningModule):
@@ -598,29 +690,39 @@ class HeadPerTask(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@needs_fairscale
-@pytest.mark.timeout(150)
-def test_ranks_that_reach_different_parameters_stop_instead_of_stepping_on_paired_up_gradients(tmp_path: Path) -> None:
-    """SDP reduces each gradient as it is ready: rank 0's reduction of head 0 paired with rank 1's of head 1 (the
-    same shape), head 0 never stepped and head 1 stepped on the mean of both heads' gradients, silently."""
+
+def _fit_a_head_per_task() -> None:
+    torch.manual_seed(0)  # the same data on both ranks
     tasks = TensorDataset(torch.randn(8, 4), torch.arange(8) % 2)
     trainer = pl.Trainer(
-        strategy=CustomDDPSharded(start_method="spawn", timeout=timedelta(seconds=30)),
+        strategy=CustomDDPSharded(timeout=timedelta(seconds=30)),
         **trainer_kwargs(max_epochs=1, num_sanity_val_steps=0),
     )
-    with pytest.raises(Exception, match="the ranks' backward passes reached different parameters"):
-        trainer.fit(HeadPerTask(), DataLoader(tasks, batch_size=1))
+    trainer.fit(HeadPerTask(), DataLoader(tasks, batch_size=1))
+
+
+RANK_CALLS["a head per task"] = (_fit_a_head_per_task, ())
+
+
+@needs_fairscale
+def test_ranks_that_reach_different_parameters_stop_instead_of_stepping_on_paired_up_gradients(
+    on_two_ranks: CallOutcomes,
+) -> None:
+    """SDP reduces each gradient as it is ready: rank 0's reduction of head 0 paired with rank 1's of head 1 (the
+    same shape), head 0 never stepped and head 1 stepped on the mean of both heads' gradients, silently. Now every
+    rank raises."""
+    for outcome in on_two_ranks["a head per task"]:
+        outcome.raised("the ranks' backward passes reached different parameters")
 
 
 class NormalizedRegressor(pl.LightningModule):
     """A BatchNorm layer, whose running statistics each rank updates from its own training batches; at every
-    validation run each rank saves how far its statistics are from rank 0's."""
+    validation run each rank keeps how far its statistics are from rank 0's (``gaps``)."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
-        self.out_dir = out_dir
         self.gaps: List[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -638,23 +740,28 @@ class NormalizedRegressor(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def on_fit_end(self) -> None:
-        torch.save(self.gaps, Path(self.out_dir) / f"rank{self.global_rank}.pt")
+
+def _fit_normalized_regressor() -> List[float]:
+    torch.manual_seed(0)  # the same data on both ranks
+    points = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    trainer = pl.Trainer(
+        strategy=CustomDDPSharded(eval_mode="exact", timeout=timedelta(seconds=30)),
+        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
+    )
+    model = NormalizedRegressor()
+    trainer.fit(model, DataLoader(points, batch_size=4), DataLoader(points, batch_size=4))
+    return model.gaps
+
+
+RANK_CALLS["validation inside fit"] = (_fit_normalized_regressor, ())
 
 
 @needs_fairscale
-@pytest.mark.timeout(150)
-def test_validation_inside_fit_uses_rank_0_s_buffers_as_custom_ddp_does(tmp_path: Path) -> None:
+def test_validation_inside_fit_uses_rank_0_s_buffers_as_custom_ddp_does(on_two_ranks: CallOutcomes) -> None:
     """validation_step bypasses the wrapper, whose forward broadcasts the buffers in training: without a
     broadcast at the validation's start, rank 1 evaluated with the BatchNorm statistics of its own last batch
     (CustomDDP goes through DDP's forward, which gives every rank rank 0's, as the checkpoint has them)."""
-    points = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
-    trainer = pl.Trainer(
-        strategy=CustomDDPSharded(start_method="spawn", eval_mode="exact", timeout=timedelta(seconds=30)),
-        **trainer_kwargs(max_epochs=2, num_sanity_val_steps=0),
-    )
-    trainer.fit(NormalizedRegressor(str(tmp_path)), DataLoader(points, batch_size=4), DataLoader(points, batch_size=4))
-    assert [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)] == [[0.0, 0.0], [0.0, 0.0]]
+    assert returned(on_two_ranks, "validation inside fit") == [[0.0, 0.0], [0.0, 0.0]]
 
 
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks
@@ -1083,7 +1190,11 @@ def test_without_fairscale() -> None:
 @needs_fairscale
 def test_a_loss_that_reaches_no_parameter_on_one_rank_is_refused_instead_of_hanging() -> None:
     """fairscale's wrapper reduces each gradient as it is ready: a rank whose loss reaches no parameter reduced
-    nothing, and the other rank waited for it until the timeout. Refused on that rank, which ends the job."""
+    nothing, and the other rank waited for it until the timeout. Refused on that rank, which ends the job.
+
+    Through Lightning's spawn launcher, unlike the other Trainer runs here: only rank 1 raises, and the launcher,
+    which ends the other rank, is what makes the job end (on the module's ranks, rank 0 would wait in its
+    reduction until the process group's timeout, out of step with rank 1's next call)."""
     strategy = CustomDDPSharded(start_method="spawn", timeout=RUN_TIMEOUT)
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
     with pytest.raises(Exception, match="CustomDDPSharded: the loss of this backward pass on rank 1 depends on no"):
@@ -1118,18 +1229,28 @@ class SharedTrunk(pl.LightningModule):
         )
 
 
+def _fit_a_shared_trunk(unfrozen_at: Optional[int]) -> None:
+    torch.manual_seed(0)  # the same weights on both ranks
+    strategy = CustomDDPSharded(timeout=RUN_TIMEOUT)
+    pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=2)).fit(SharedTrunk(unfrozen_at), line_loader())
+
+
+UNFROZEN_AT = [None, 1]
+RANK_CALLS.update({f"shared trunk, unfrozen at {at}": (_fit_a_shared_trunk, (at,)) for at in UNFROZEN_AT})
+
+
 @needs_fairscale
-@pytest.mark.parametrize("unfrozen_at", [None, 1], ids=["trainable", "unfrozen-in-epoch-1"])
-def test_a_trainable_parameter_in_two_optimizers_is_refused_naming_it(unfrozen_at: Optional[int]) -> None:
+@pytest.mark.parametrize("unfrozen_at", UNFROZEN_AT, ids=["trainable", "unfrozen-in-epoch-1"])
+def test_a_trainable_parameter_in_two_optimizers_is_refused_naming_it(
+    on_two_ranks: CallOutcomes, unfrozen_at: Optional[int]
+) -> None:
     """Each OSS steps and broadcasts its own share and SDP hooks a parameter once per optimizer holding it: the
     trunk trained up to 0.015 off CustomDDP's without an error, then fairscale failed an internal assertion.
-    Frozen, it trains as under CustomDDP (nothing steps it): refused only once it is unfrozen."""
-    strategy = CustomDDPSharded(start_method="spawn", timeout=RUN_TIMEOUT)
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=2))
-    with pytest.raises(Exception, match=r"more than one optimizer, or twice in one \(trunk.weight, trunk.bias\)") as raised:
-        trainer.fit(SharedTrunk(unfrozen_at), line_loader())
-    # the rank's traceback: refused as the optimizers are built, or (frozen in epoch 0) at epoch 1's first step
-    assert ("setup_optimizers" if unfrozen_at is None else "_reduce_added_parameters") in str(raised.value)
+    Frozen, it trains as under CustomDDP (nothing steps it): refused only once it is unfrozen, on every rank."""
+    for outcome in on_two_ranks[f"shared trunk, unfrozen at {unfrozen_at}"]:
+        outcome.raised(r"more than one optimizer, or twice in one \(trunk.weight, trunk.bias\)")
+        # the rank's traceback: refused as the optimizers are built, or (frozen in epoch 0) at epoch 1's first step
+        outcome.raised("setup_optimizers" if unfrozen_at is None else "_reduce_added_parameters")
 
 
 def test_the_shared_parameter_check_counts_trainable_parameters_listed_more_than_once() -> None:
@@ -1162,11 +1283,18 @@ class SparseEmbedding(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _fit_a_sparse_embedding() -> None:
+    torch.manual_seed(0)  # the same weights on both ranks
+    strategy = CustomDDPSharded(timeout=RUN_TIMEOUT)
+    pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1)).fit(SparseEmbedding(), line_loader())
+
+
+RANK_CALLS["sparse gradient"] = (_fit_a_sparse_embedding, ())
+
+
 @needs_fairscale
-def test_a_sparse_gradient_is_refused_naming_its_parameter() -> None:
+def test_a_sparse_gradient_is_refused_naming_its_parameter(on_two_ranks: CallOutcomes) -> None:
     """SDP reduces with torch.distributed.reduce, which has no sparse kernel: c10d's NotImplementedError about a
-    'SparseCPU' backend said nothing of what to change."""
-    strategy = CustomDDPSharded(start_method="spawn", timeout=RUN_TIMEOUT)
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
-    with pytest.raises(Exception, match=r"cannot reduce the sparse gradient of embedding.weight.*sparse=False"):
-        trainer.fit(SparseEmbedding(), line_loader())
+    'SparseCPU' backend said nothing of what to change. Refused on every rank."""
+    for outcome in on_two_ranks["sparse gradient"]:
+        outcome.raised(r"cannot reduce the sparse gradient of embedding.weight.*sparse=False")
