@@ -269,7 +269,8 @@ def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0)
     involved: the tests of launching and exiting start their own ranks. Each call starts with the environment
     variables and fresh random seeds of a new process, but what else a process keeps (module globals, warnings
     given once per process) carries over from call to call: a run that checks such a count or warning resets
-    it first, or starts ranks of its own."""
+    it first, or starts ranks of its own. A call that leaves one rank in a collective the others never join fails
+    at the process-group timeout, and leaves the group unusable for the calls after it: read the first failure."""
     per_rank = run_distributed(_call_each, world_size, calls, timeout=timeout)
     return CallOutcomes({name: [outcomes[name] for outcomes in per_rank] for name in calls})
 

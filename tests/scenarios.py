@@ -1,14 +1,17 @@
 """Samplers, a dataset and a recording LightningModule shared by the Trainer tests and the popen script.
 
 Module-level so that spawned ranks can unpickle them. Each rank writes what it saw to
-``<out_dir>/rank<R>.json``; the tests read those files back.
+``<out_dir>/rank<R>.json``, which the tests read back; a run on ranks started for many runs (``call_on_ranks``)
+returns it instead (:func:`records`).
 """
 from __future__ import annotations
 
 import json
+import re
+import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -242,6 +245,23 @@ class CountingDDP(CustomDDP):
 def records(model: Recorder) -> Dict[str, Any]:
     """What ``model`` would write on teardown, as :func:`read_ranks` reads it back (JSON's types)."""
     return json.loads(json.dumps({"seen": model.seen, "facts": model.facts}))
+
+
+def records_and_error(model: Recorder, run: Callable[[], Any]) -> Dict[str, Any]:
+    """``run()`` on this rank; what ``model`` recorded meanwhile (see :func:`records`), and under ``"error"`` the
+    traceback of what ``run`` raised (None if nothing): for runs that must fail before they train."""
+    try:
+        run()
+    except Exception:
+        return {**records(model), "error": traceback.format_exc()}
+    return {**records(model), "error": None}
+
+
+def assert_raised(result: Dict[str, Any], pattern: str) -> str:
+    """The error of a :func:`records_and_error` result, which must match the regular expression ``pattern``."""
+    assert result["error"] is not None, f"the run raised nothing; expected {pattern!r}"
+    assert re.search(pattern, result["error"], re.DOTALL), f"{pattern!r} not found in:\n{result['error']}"
+    return result["error"]
 
 
 def read_ranks(out_dir: str, world_size: int) -> List[Dict[str, Any]]:

@@ -1,14 +1,14 @@
 """The bad-input catalogue (docs/bad_input.md): each case ends in a clear error or a documented behaviour.
 
 Cases the sampler layer decides are checked in this process for every rank at once (explicit
-``num_replicas``/``rank``, no processes). Cases only a real run can show (lengths that differ per rank,
-pickling for spawn, loaders Lightning hands over as they are) run a Trainer on 2 spawned CPU ranks, with a
-small process-group timeout, a bounded wait and a check that no process outlives the test.
+``num_replicas``/``rank``, no processes). Cases only a real run can show (lengths that differ per rank, loaders
+Lightning hands over as they are) run a Trainer on 2 CPU ranks started once for the module (the calls of
+``RANK_CALLS``, see ``distributed_helpers.call_on_ranks``); pickling for spawn runs Lightning's spawn launcher.
+Each run has a small process-group timeout and a bounded wait, and no process may outlive its test.
 """
 from __future__ import annotations
 
 import functools
-import json
 import re
 import sys
 import threading
@@ -18,19 +18,13 @@ from typing import Any, Dict, Iterator, List
 import lightning.pytorch as pl
 import pytest
 import torch
+from distributed_helpers import CallOutcomes, RankCalls
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
-from reliability_common import (  # noqa: E402
-    IndexDataset,
-    WeightRecorder,
-    assert_no_new_descendants,
-    children_baseline,
-    free_port,
-    strategy,
-    trainer_kwargs,
-)
+from reliability_common import IndexDataset, WeightRecorder, strategy, trainer_kwargs  # noqa: E402
+from scenarios import assert_raised, records, records_and_error  # noqa: E402
 
 from lightning_ddp_ext import (  # noqa: E402
     DistributedBatchSamplerWrapper,
@@ -41,6 +35,9 @@ from lightning_ddp_ext.samplers import LengthMismatchError  # noqa: E402
 
 WORLD = 2
 RUN_TIMEOUT_S = 240  # per Trainer test: startup of 2 ranks on a busy 2-core machine plus the 20 s PG timeout
+
+#: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
+RANK_CALLS: RankCalls = {}
 
 
 # ------------------------------------------------------------------------------------------------ samplers
@@ -419,22 +416,34 @@ def test_the_unpicklable_part_is_found_in_slots_dict_keys_and_partials() -> None
     assert unpicklable_path(functools.partial(print, sep=threading.Lock()), "x") == "x (partial) -> .keywords['sep'] (lock)"
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_samplers_reporting_different_lengths_per_rank_fail_before_training(tmp_path: Path, spawn_job: None) -> None:
-    loader = DataLoader(IndexDataset(8), batch_sampler=LengthByRank())
-    with pytest.raises(Exception, match=r"LengthByRank does not produce the same sequence on every rank: len\(\) is 6"
-                       r" on rank 0 but 7 on rank 1"):
-        spawn_trainer().fit(WeightRecorder(str(tmp_path)), loader)
-    assert not list(tmp_path.glob("rank*.json")), "training went on"
+def _fit_on_lengths_by_rank(model_class: type) -> Dict[str, Any]:
+    """Fit ``model_class`` (on a LengthByRank loader unless the model brings its own): the error and the records."""
+    model, trainer = model_class(), pl.Trainer(strategy=strategy(), **trainer_kwargs(max_epochs=1))
+    loader = DataLoader(IndexDataset(8), batch_sampler=LengthByRank()) if model_class is WeightRecorder else None
+    return records_and_error(model, lambda: trainer.fit(model, loader))
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_module_returning_loaders_of_different_lengths_per_rank_fails_clearly(tmp_path: Path, spawn_job: None) -> None:
+RANK_CALLS.update(
+    {f"lengths by rank, {cls.__name__}": (_fit_on_lengths_by_rank, (cls,)) for cls in (WeightRecorder, DataByRank)}
+)
+
+
+def test_samplers_reporting_different_lengths_per_rank_fail_before_training(on_two_ranks: CallOutcomes) -> None:
+    for outcome in on_two_ranks["lengths by rank, WeightRecorder"]:
+        result = outcome.returned()
+        assert_raised(
+            result,
+            r"LengthByRank does not produce the same sequence on every rank: len\(\) is 6 on rank 0 but 7 on rank 1",
+        )
+        assert "train/only" not in result["seen"], "training went on"
+
+
+def test_module_returning_loaders_of_different_lengths_per_rank_fails_clearly(on_two_ranks: CallOutcomes) -> None:
     """Default samplers (DistributedSampler) too: without the check, 6 vs 7 steps end in a gloo error."""
-    with pytest.raises(Exception) as raised:
-        spawn_trainer().fit(DataByRank(str(tmp_path)))
-    message = str(raised.value)
-    assert re.search(r"len\(\) is \d+ on rank 0 but \d+ on rank 1", message), message[-2000:]
+    for outcome in on_two_ranks["lengths by rank, DataByRank"]:
+        result = outcome.returned()
+        assert_raised(result, r"len\(\) is \d+ on rank 0 but \d+ on rank 1")
+        assert "train/only" not in result["seen"], "training went on"
 
 
 class HandRolledLoader:
@@ -449,26 +458,28 @@ class HandRolledLoader:
         return 6
 
 
-@pytest.fixture(scope="module")
-def unsharded_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def _fit_on_loaders_it_cannot_shard() -> Dict[str, Any]:
     """One fit whose train loaders CustomDDP hands over unchanged: a hand-rolled loader and an iterable dataset."""
-    out = tmp_path_factory.mktemp("unsharded")
     loaders = {"handrolled": HandRolledLoader(), "stream": DataLoader(_StreamThatShardsItself(), batch_size=1)}
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    before = children_baseline()
-    try:
-        trainer = pl.Trainer(strategy=strategy("spawn"), **trainer_kwargs(max_epochs=1))
-        trainer.fit(WeightRecorder(str(out)), train_dataloaders=loaders)
-    finally:
-        monkeypatch.undo()
-        assert_no_new_descendants(before)
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    model = WeightRecorder()
+    pl.Trainer(strategy=strategy(), **trainer_kwargs(max_epochs=1)).fit(model, train_dataloaders=loaders)
+    return records(model)
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_loaders_that_cannot_be_sharded_are_iterated_whole_on_every_rank(unsharded_run: dict) -> None:
+RANK_CALLS["unsharded"] = (_fit_on_loaders_it_cannot_shard, ())
+
+
+#: Each rank's records of the "unsharded" call, by rank.
+UnshardedRun = Dict[int, Dict[str, Any]]
+
+
+@pytest.fixture
+def unsharded_run(on_two_ranks: CallOutcomes) -> UnshardedRun:
+    """Each rank's records of the fit on loaders CustomDDP hands over unchanged."""
+    return {rank: outcome.returned() for rank, outcome in enumerate(on_two_ranks["unsharded"])}
+
+
+def test_loaders_that_cannot_be_sharded_are_iterated_whole_on_every_rank(unsharded_run: UnshardedRun) -> None:
     """Documented: CustomDDP shards torch DataLoaders over map-style datasets only; these run whole on every rank."""
     for rank in range(WORLD):
         seen = unsharded_run[rank]["seen"]
@@ -480,8 +491,7 @@ def test_loaders_that_cannot_be_sharded_are_iterated_whole_on_every_rank(unshard
     assert any(expected in w for w in warned), warned
 
 
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_a_loader_that_is_not_a_dataloader_is_warned_about(unsharded_run: dict) -> None:
+def test_a_loader_that_is_not_a_dataloader_is_warned_about(unsharded_run: UnshardedRun) -> None:
     warned = unsharded_run[0]["facts"]["warnings"]
     assert any("HandRolledLoader" in w and "every rank" in w for w in warned), warned
 

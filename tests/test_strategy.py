@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import re
-import traceback
 import warnings
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import lightning
 import lightning.pytorch as pl
@@ -39,7 +38,9 @@ from scenarios import (
     line_loader,
     loaders_by_kind,
     read_ranks,
+    assert_raised,
     records,
+    records_and_error,
     trainer_kwargs,
 )
 from reliability_common import free_port
@@ -60,23 +61,6 @@ pytestmark = pytest.mark.usefixtures("spawn_job")
 
 #: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
 RANK_CALLS: RankCalls = {}
-
-
-def records_and_error(model: Recorder, run: Callable[[], Any]) -> Dict[str, Any]:
-    """``run()`` on this rank; what ``model`` recorded meanwhile (see ``records``), and under ``"error"`` the
-    traceback of what ``run`` raised (None if nothing): for runs that must fail before they train."""
-    try:
-        run()
-    except Exception:
-        return {**records(model), "error": traceback.format_exc()}
-    return {**records(model), "error": None}
-
-
-def assert_raised(result: Dict[str, Any], pattern: str) -> str:
-    """The error of a :func:`records_and_error` result, which must match ``pattern``."""
-    assert result["error"] is not None, f"the run raised nothing; expected {pattern!r}"
-    assert re.search(pattern, result["error"], re.DOTALL), f"{pattern!r} not found in:\n{result['error']}"
-    return result["error"]
 
 
 def batches_of(rank_report: Dict[str, Any], key: str, epoch: int) -> List[List[int]]:

@@ -145,7 +145,7 @@ class FaultyRecorder(Recorder):
 class WeightRecorder(Recorder):
     """A Recorder that also saves its final weights, records warnings and the cluster it ran in."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: Optional[str] = None) -> None:
         super().__init__(out_dir)
         self.layer = torch.nn.Linear(1, 2)
         self.captured: List[str] = []
@@ -184,8 +184,9 @@ class WeightRecorder(Recorder):
             cluster_environment=type(environment).__name__,
             global_step=self.trainer.global_step,
         )
-        torch.save({k: v.detach().clone() for k, v in self.state_dict().items()},
-                   Path(self.out_dir) / f"weights_rank{self.global_rank}.pt")
+        if self.out_dir is not None:
+            torch.save({k: v.detach().clone() for k, v in self.state_dict().items()},
+                       Path(self.out_dir) / f"weights_rank{self.global_rank}.pt")
         super().teardown(stage)
 
 
