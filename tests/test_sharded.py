@@ -511,7 +511,6 @@ class UnfreezeFirstLayers(BaseFinetuning):
             self.make_trainable(first)
 
 
-
 @contextmanager
 def one_process() -> Iterator[None]:
     """Hide the variables torchrun sets from a Trainer on one of the module's ranks: a one-device Trainer there is
@@ -688,7 +687,6 @@ class HeadPerTask(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
 
 
 def _fit_a_head_per_task() -> None:
