@@ -259,6 +259,10 @@ class CallOutcomes(Dict[str, List[Outcome]]):
     def __repr__(self) -> str:
         return f"<outcomes of {len(self)} calls on {len(next(iter(self.values()), []))} ranks>"
 
+    def returned(self, name: str) -> List[Any]:
+        """What the call ``name`` returned on each rank, in rank order; fails with a rank's traceback if it raised."""
+        return [outcome.returned() for outcome in self[name]]
+
 
 def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0) -> CallOutcomes:
     """Make each call on the same ``world_size`` ranks, one call after another, as a script run by torchrun

@@ -65,7 +65,7 @@ def test_call_on_ranks_makes_every_call_on_the_same_ranks_in_a_clean_environment
     outcomes["fails on rank 1"][1].raised("ValueError: rank 1 fails here")
     with pytest.raises(AssertionError, match="rank 1 fails here"):
         outcomes["fails on rank 1"][1].returned()
-    assert [outcome.returned() for outcome in outcomes["next"]] == [(0, None, "0", 1), (1, None, "1", 1)]
+    assert outcomes.returned("next") == [(0, None, "0", 1), (1, None, "1", 1)]
     with pytest.raises(AssertionError, match="returned 0 instead of raising"):
         Outcome(value=0).raised("anything")
     assert repr(outcomes) == "<outcomes of 2 calls on 2 ranks>"

@@ -103,7 +103,7 @@ RANK_CALLS.update({f"three loaders, {m}, {p}": (_validate_three_loaders, (m, p))
 def test_gathered_embeddings_equal_single_process_in_dataset_order(
     on_two_ranks: CallOutcomes, eval_mode: str, pad_to_world_size: bool
 ) -> None:
-    results = [outcome.returned() for outcome in on_two_ranks[f"three loaders, {eval_mode}, {pad_to_world_size}"]]
+    results = on_two_ranks.returned(f"three loaders, {eval_mode}, {pad_to_world_size}")
     for idx in range(3):
         for result in results:
             assert torch.allclose(result["report"][idx]["gathered"], results[0]["table"], atol=1e-6)

@@ -68,11 +68,6 @@ def checkpoints_removed() -> Iterator[None]:
     shutil.rmtree(CHECKPOINTS, ignore_errors=True)
 
 
-def returned(on_two_ranks: CallOutcomes, name: str) -> List[Any]:
-    """What the call ``name`` returned on each rank, in rank order; fails with a rank's traceback if it raised."""
-    return [outcome.returned() for outcome in on_two_ranks[name]]
-
-
 def weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """A copy of ``module``'s state dict, to return from a call."""
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
@@ -245,7 +240,7 @@ RANK_CALLS.update(
 
 def job_runs(on_two_ranks: CallOutcomes) -> Dict[str, List[Dict[str, Any]]]:
     """Each rank's report of the job's runs, by the run's name in ``JOB_RUNS``."""
-    return {name: returned(on_two_ranks, f"fit, {name}") for name in JOB_RUNS}
+    return {name: on_two_ranks.returned(f"fit, {name}") for name in JOB_RUNS}
 
 
 BUFFERS = ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked")
@@ -367,7 +362,7 @@ def test_resume_equals_uninterrupted_and_checkpoints_interchange(on_two_ranks: C
             assert torch.allclose(saved_sharded["state"][index][key], value, atol=1e-6), (index, key)
 
     for name, (_, _, uninterrupted) in RESUMES.items():
-        resumed, expected = returned(on_two_ranks, f"resume, {name}"), runs[uninterrupted]
+        resumed, expected = on_two_ranks.returned(f"resume, {name}"), runs[uninterrupted]
         for rank in range(2):
             assert resumed[rank]["losses"] == pytest.approx(expected[rank]["losses"][4:], rel=1e-5, abs=1e-6), name
             assert resumed[rank]["lrs"] == pytest.approx(expected[rank]["lrs"][2:]), name  # scheduler state restored
@@ -389,7 +384,7 @@ def test_16_mixed_ranks_agree_on_skipping_a_step(on_two_ranks: CallOutcomes) -> 
     With a rank-local GradScaler, that rank skips the step while the other steps and broadcasts its shard:
     ranks diverge or hang. ShardedGradScaler agrees on the skip: the scale halves once, and training goes on.
     """
-    reports = returned(on_two_ranks, "16-mixed")
+    reports = on_two_ranks.returned("16-mixed")
     for report in reports:
         assert report["scaler"] == "ShardedGradScaler"
         assert report["scale"] == 2.0**16 * 0.5  # one skipped step, no growth (growth_interval=2000)
@@ -408,7 +403,7 @@ RANK_CALLS["bf16-mixed"] = (_fit_bf16_mixed, ())
 
 @needs_fairscale
 def test_bf16_mixed_clips_the_global_norm(on_two_ranks: CallOutcomes) -> None:
-    reports = returned(on_two_ranks, "bf16-mixed")
+    reports = on_two_ranks.returned("bf16-mixed")
     for report in reports:
         assert report["clipped_norms"] == pytest.approx([CLIP] * 2, rel=1e-4)
         assert report["scaler"] is None
@@ -459,7 +454,7 @@ def test_parameters_added_by_base_finetuning_train_as_on_one_process(on_two_rank
         reference, DataLoader(Points(16), batch_size=4)
     )
     initial = FineTuned().state_dict()
-    for rank, sharded in enumerate(returned(on_two_ranks, "base finetuning")):
+    for rank, sharded in enumerate(on_two_ranks.returned("base finetuning")):
         for name, value in reference.state_dict().items():
             assert not torch.equal(value, initial[name]), name  # every parameter trained
             difference = (sharded[name] - value).abs().max().item()
@@ -565,7 +560,7 @@ def test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_o
     adds to it (``b`` stepped on half of the first pass's gradient), and OSS following the groups that
     BaseFinetuning restores (Adam's state failed to load with a KeyError; SGD never stepped ``b[0]``).
     """
-    results = returned(on_two_ranks, "two backward passes, resumed")
+    results = on_two_ranks.returned("two backward passes, resumed")
     for name, value in results[0]["reference"].items():
         assert torch.equal(results[1]["reference"][name], value), name  # the same one-process run on each rank
     for rank, result in enumerate(results):
@@ -667,7 +662,7 @@ def test_backward_passes_the_strategy_does_not_run_stay_local(on_two_ranks: Call
     armed by every forward and reached by no training backward, was reduced by the validation backward without
     a wait: the next epoch's first step failed in fairscale's cleanup. A step without a backward left every
     parameter armed the same way."""
-    for rank, all_local in enumerate(returned(on_two_ranks, f"outside training, {module.__name__}")):
+    for rank, all_local in enumerate(on_two_ranks.returned(f"outside training, {module.__name__}")):
         assert all_local is True, rank
 
 
@@ -759,7 +754,7 @@ def test_validation_inside_fit_uses_rank_0_s_buffers_as_custom_ddp_does(on_two_r
     """validation_step bypasses the wrapper, whose forward broadcasts the buffers in training: without a
     broadcast at the validation's start, rank 1 evaluated with the BatchNorm statistics of its own last batch
     (CustomDDP goes through DDP's forward, which gives every rank rank 0's, as the checkpoint has them)."""
-    assert returned(on_two_ranks, "validation inside fit") == [[0.0, 0.0], [0.0, 0.0]]
+    assert on_two_ranks.returned("validation inside fit") == [[0.0, 0.0], [0.0, 0.0]]
 
 
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks

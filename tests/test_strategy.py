@@ -80,7 +80,7 @@ RANK_CALLS["every kind"] = (_fit_every_kind, ())
 def test_every_kind_of_custom_sampler_is_dealt_disjointly(on_two_ranks: CallOutcomes) -> None:
     """The four sampler kinds stock Lightning crashes on or silently duplicates, in one 2-epoch fit."""
     loaders = loaders_by_kind()
-    ranks = [outcome.returned() for outcome in on_two_ranks["every kind"]]
+    ranks = on_two_ranks.returned("every kind")
     for name, loader in loaders.items():
         for epoch in range(2):
             user_sampler = loader.batch_sampler if name != "index_sampler" else None
@@ -215,7 +215,7 @@ RANK_CALLS["use_distributed_sampler=False"] = (_fit_undealt, ())
 
 
 def test_use_distributed_sampler_false_is_respected(on_two_ranks: CallOutcomes) -> None:
-    ranks = [outcome.returned() for outcome in on_two_ranks["use_distributed_sampler=False"]]
+    ranks = on_two_ranks.returned("use_distributed_sampler=False")
     everything = [list(range(i, i + 8)) for i in range(0, DATASET_SIZE, 8)]
     assert batches_of(ranks[0], "train/only", 0) == batches_of(ranks[1], "train/only", 0) == everything
 
@@ -506,7 +506,7 @@ RANK_CALLS["predict"] = (_predict_plainly, ())
 
 def test_predict_is_sharded_by_lightning(on_two_ranks: CallOutcomes) -> None:
     """Predict loaders are left to Lightning, which splits them across ranks without padding."""
-    ranks = [outcome.returned() for outcome in on_two_ranks["predict"]]
+    ranks = on_two_ranks.returned("predict")
     seen = [i for report in ranks for _, batch in report["seen"]["predict/only"] for i in batch]
     assert sorted(seen) == list(range(DATASET_SIZE))
 
@@ -563,7 +563,7 @@ def test_a_loader_sharded_in_predict_dataloader_predicts_each_sample_once(
     our wrapper deals already is not sharded a second time by Lightning (it would skip half of each share)."""
     if loader_kind == "batch_sampler" and Version(lightning.__version__) < Version("2.3"):
         pytest.skip("Lightning before 2.3 refuses, in predict, any batch sampler that does not subclass BatchSampler")
-    ranks = [outcome.returned() for outcome in on_two_ranks[f"predict self-sharded, {loader_kind}"]]
+    ranks = on_two_ranks.returned(f"predict self-sharded, {loader_kind}")
     shares = [[i for _, batch in report["seen"]["predict/only"] for i in batch] for report in ranks]
     assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE)) and all(shares)
     assert [report["facts"]["gathered"] for report in ranks] == [list(map(float, range(DATASET_SIZE)))] * 2
@@ -602,7 +602,7 @@ RANK_CALLS["subclass loaders"] = (_fit_subclass_loaders, ())
 
 def test_dataloader_subclass_keeps_its_class(on_two_ranks: CallOutcomes) -> None:
     """A DataLoader subclass is rebuilt as itself around the sharded (batch) sampler, not as a plain DataLoader."""
-    ranks = [outcome.returned() for outcome in on_two_ranks["subclass loaders"]]
+    ranks = on_two_ranks.returned("subclass loaders")
     expected = [list(b) for b in LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8)]
     assert [batches_of(ranks[r], "train/tk", 0) for r in range(2)] == [expected[0::2], expected[1::2]]
     val = [i for r in range(2) for batch in batches_of(ranks[r], "val/vk", 0) for i in batch]
@@ -746,7 +746,7 @@ RANK_CALLS["raising the limit"] = (_fit_raising_the_limit, ())
 
 def test_a_callback_setting_the_batch_samplers_attribute_reaches_the_users_sampler(on_two_ranks: CallOutcomes) -> None:
     """Set on the wrapper, ``limit`` would change nothing, silently: it is the user's sampler's, set through."""
-    ranks = [outcome.returned() for outcome in on_two_ranks["raising the limit"]]
+    ranks = on_two_ranks.returned("raising the limit")
     for epoch, expected in ((0, range(4)), (1, range(8))):
         seen = {i for r in range(2) for batch in batches_of(ranks[r], "train/only", epoch) for i in batch}
         assert seen == set(expected), f"epoch {epoch}"
@@ -1005,7 +1005,7 @@ RANK_CALLS["seeded per rank"] = (_fit_seeded_per_rank, ())
 def test_ranks_seeded_differently_still_deal_disjoint_shares_of_a_plain_loader(on_two_ranks: CallOutcomes) -> None:
     """The default seed is rank 0's seed_everything seed: per-rank seeds would give each rank's DistributedSampler
     another permutation, so the shares would overlap and miss samples, silently."""
-    reports = [outcome.returned() for outcome in on_two_ranks["seeded per rank"]]
+    reports = on_two_ranks.returned("seeded per rank")
     shares = [[i for _, batch in report["seen"]["train/only"] for i in batch] for report in reports]
     assert sorted(shares[0] + shares[1]) == list(range(DATASET_SIZE))
 
