@@ -229,13 +229,40 @@ class Outcome:
 RankCalls = Dict[str, Tuple[Callable[..., Any], Tuple[Any, ...]]]
 
 
-def _call_each(rank: int, world_size: int, calls: RankCalls) -> Dict[str, Outcome]:
+#: Names the directory that the ranks of :func:`call_on_ranks` share (see :func:`shared_directory`).
+SHARED_DIRECTORY_VARIABLE = "CALL_ON_RANKS_SHARED_DIRECTORY"
+
+
+def shared_directory(name: str) -> Path:
+    """The directory ``name`` shared by every rank of the running :func:`call_on_ranks`, made on first use and
+    removed when the ranks are done: where a call saves checkpoints that it, or a later call, loads on every
+    rank. Call it inside a call (a path computed where the calls are listed would be the listing process's)."""
+    path = Path(os.environ[SHARED_DIRECTORY_VARIABLE]) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def one_process() -> Iterator[None]:
+    """Hide the variables torchrun sets from a Trainer made on one of :func:`call_on_ranks`' ranks: a one-device
+    Trainer there is a process of its own (its global rank 0), beside the ranks' runs: a reference to compare
+    their runs with, made on every rank at once."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def _call_each(rank: int, world_size: int, calls: RankCalls, shared: str) -> Dict[str, Outcome]:
     # What torchrun sets: Lightning's environment then takes the processes as started for it, and the strategy
     # joins the process group run_distributed made instead of launching ranks or making one.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
         MASTER_PORT="29500",  # read by nothing: the process group exists already
     )
+    os.environ[SHARED_DIRECTORY_VARIABLE] = shared
     outcomes: Dict[str, Outcome] = {}
     for name, (function, args) in calls.items():
         environment = dict(os.environ)  # seed_everything exports its seed: not to the next call
@@ -274,8 +301,10 @@ def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0)
     variables and fresh random seeds of a new process, but what else a process keeps (module globals, warnings
     given once per process) carries over from call to call: a run that checks such a count or warning resets
     it first, or starts ranks of its own. A call that leaves one rank in a collective the others never join fails
-    at the process-group timeout, and leaves the group unusable for the calls after it: read the first failure."""
-    per_rank = run_distributed(_call_each, world_size, calls, timeout=timeout)
+    at the process-group timeout, and leaves the group unusable for the calls after it: read the first failure.
+    Files that ranks or calls share go in :func:`shared_directory`."""
+    with tempfile.TemporaryDirectory(prefix="call_on_ranks-") as shared:
+        per_rank = run_distributed(_call_each, world_size, calls, shared, timeout=timeout)
     return CallOutcomes({name: [outcomes[name] for outcomes in per_rank] for name in calls})
 
 

@@ -150,12 +150,11 @@ class BackboneAndHead(pl.LightningModule):
     """A backbone (8 -> 16 -> 4) and a head (4 -> 1), seeded alike in every process, trained on MSE: the model of
     the fine-tuning tests, which freeze and unfreeze its parts."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         self.head = torch.nn.Linear(4, 1)
-        self.out_dir = out_dir
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

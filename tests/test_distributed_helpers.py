@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import (
-    Outcome, call_on_ranks, descendants, describe, run_distributed, stat_fields, worker_context,
+    Outcome, call_on_ranks, descendants, describe, run_distributed, shared_directory, stat_fields, worker_context,
 )
 from torch.utils.data import DataLoader
 
@@ -59,8 +59,27 @@ def _where_am_i() -> Tuple[int, Optional[str], str, int]:
     return dist.get_rank(), os.environ.get("PL_GLOBAL_SEED"), os.environ["LOCAL_RANK"], int(ranks)
 
 
+def _leave_a_file_in_the_shared_directory() -> None:
+    (shared_directory("notes") / f"from rank {dist.get_rank()}").touch()
+    dist.barrier()
+
+
+def _list_the_shared_directory() -> Tuple[str, List[str]]:
+    notes = shared_directory("notes")
+    return str(notes), sorted(path.name for path in notes.iterdir())
+
+
 def test_call_on_ranks_makes_every_call_on_the_same_ranks_in_a_clean_environment() -> None:
-    outcomes = call_on_ranks({"fails on rank 1": (_export_a_seed_then_fail_on_rank_1, ()), "next": (_where_am_i, ())})
+    """Also: a file a call leaves in the shared directory is there for every rank in the next call, and the
+    directory is gone once the ranks are."""
+    outcomes = call_on_ranks(
+        {
+            "fails on rank 1": (_export_a_seed_then_fail_on_rank_1, ()),
+            "next": (_where_am_i, ()),
+            "leave": (_leave_a_file_in_the_shared_directory, ()),
+            "list": (_list_the_shared_directory, ()),
+        }
+    )
     assert outcomes["fails on rank 1"][0].returned() == 0
     outcomes["fails on rank 1"][1].raised("ValueError: rank 1 fails here")
     with pytest.raises(AssertionError, match="rank 1 fails here"):
@@ -68,4 +87,8 @@ def test_call_on_ranks_makes_every_call_on_the_same_ranks_in_a_clean_environment
     assert outcomes.returned("next") == [(0, None, "0", 1), (1, None, "1", 1)]
     with pytest.raises(AssertionError, match="returned 0 instead of raising"):
         Outcome(value=0).raised("anything")
-    assert repr(outcomes) == "<outcomes of 2 calls on 2 ranks>"
+    assert repr(outcomes) == "<outcomes of 4 calls on 2 ranks>"
+    outcomes.returned("leave")
+    (directory, files), same = outcomes.returned("list")
+    assert same == (directory, files) and files == ["from rank 0", "from rank 1"]
+    assert not Path(directory).exists()

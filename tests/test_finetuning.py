@@ -5,7 +5,9 @@ grad then. A backbone unfrozen at a later epoch is never all-reduced under it (e
 gradient: the ranks' weights drift apart, silently), and a parameter frozen after wrapping leaves DDP waiting
 for a gradient that never comes. CustomDDP re-wraps the model when the flags change (Lightning issue #20340).
 
-Three 2-rank spawn fits, two of them against a 1-process fit on the combined batches:
+Three 2-rank fits, two of them against a 1-process fit on the combined batches (made on each rank beside its
+run). They and the checks of single parts below are calls made on two ranks started once for the module
+(``on_two_ranks``, see ``distributed_helpers.call_on_ranks``):
 
 * the backbone joins at epoch 1; the head and an expert leave in the middle of an accumulation window of epoch 2
   (``accumulate_grad_batches=2``). The window's first gradient must be averaged across ranks, as Adam still
@@ -26,16 +28,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 from unittest.mock import patch
 
 import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import BaseFinetuning
 from packaging.version import Version
-from distributed_helpers import run_distributed, run_python
+from distributed_helpers import CallOutcomes, RankCalls, one_process, run_python
 from scenarios import TEST_PG_TIMEOUT, BackboneAndHead, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -45,6 +48,9 @@ from lightning_ddp_ext import CustomDDP, _compat
 from lightning_ddp_ext import strategy as strategy_module
 
 pytestmark = pytest.mark.usefixtures("spawn_job")
+
+#: The runs made on the module's two ranks, filled in beside the tests that check them.
+RANK_CALLS: RankCalls = {}
 
 SIZE = 16  # per rank: 4 batches of 2, 2 optimizer steps per epoch with accumulate_grad_batches=2
 EPOCHS = 3
@@ -69,16 +75,14 @@ class Points(Dataset):
 
 
 class FineTuned(BackboneAndHead):
-    """A backbone and a head; each rank saves its weights and what its strategy recorded to ``rank<R>.pt``."""
+    """A backbone and a head; ``report()`` gives its weights and what its strategy recorded."""
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
 
     def report(self) -> Dict[str, Any]:
-        return {"weights": self.state_dict(), "wraps": getattr(self.trainer.strategy, "wraps", None)}
-
-    def on_train_end(self) -> None:
-        torch.save(self.report(), Path(self.out_dir) / f"rank{self.global_rank}.pt")
+        weights = {name: value.detach().clone() for name, value in self.state_dict().items()}
+        return {"weights": weights, "wraps": getattr(self.trainer.strategy, "wraps", None)}
 
 
 class Routed(FineTuned):
@@ -87,8 +91,8 @@ class Routed(FineTuned):
     through: the first micro-batch of each epoch, on rank 0, so none after the re-wrap inside epoch 2's first
     window (the new wrapper, which did not see that micro-batch, finds it unused by every rank)."""
 
-    def __init__(self, out_dir: str) -> None:
-        super().__init__(out_dir)
+    def __init__(self) -> None:
+        super().__init__()
         self.expert = torch.nn.Linear(4, 1)
         self.early_expert = torch.nn.Linear(4, 1)
         self.expert_gradient_held: Optional[bool] = None  # when it was frozen (see Finetuning)
@@ -146,23 +150,31 @@ class RecordingDDP(CustomDDP):
         return wrapped
 
 
-def fit(out_dir: Path, batch_size: int, module: type = FineTuned, **overrides: Any) -> None:
+def fit(batch_size: int, module: type = FineTuned, **overrides: Any) -> Dict[str, Any]:
+    """A fit of ``module`` on :class:`Points` for ``EPOCHS`` epochs under the :class:`Finetuning` schedule, with
+    ``accumulate_grad_batches=2`` unless overridden; returns the module's report."""
     defaults = {"callbacks": [Finetuning()], "max_epochs": EPOCHS, "accumulate_grad_batches": 2}
     kwargs = trainer_kwargs(**{**defaults, **overrides})
-    pl.Trainer(**kwargs).fit(module(str(out_dir)), DataLoader(Points(SIZE), batch_size=batch_size))
+    model = module()
+    pl.Trainer(**kwargs).fit(model, DataLoader(Points(SIZE), batch_size=batch_size))
+    return model.report()
 
 
-def fit_as_one_process(tmp_path: Path, strategy: CustomDDP, module: type, **overrides: Any) -> List[Dict[str, Any]]:
-    """Fit on 2 ranks and on 1 process; assert that both ranks end with the 1-process run's weights (to rounding)
-    and with equal weights; return the ranks' reports."""
-    (tmp_path / "ddp").mkdir()
-    (tmp_path / "one").mkdir()
+def _fit_on_the_ranks_and_as_one_process(strategy: Callable[[], CustomDDP], module: type, accumulate: int) -> Any:
+    """This rank's report of a 2-rank fit, and the weights of the same fit on 1 process (on each rank: the same)."""
     # per rank: dealt 0, 2, 4, ... and 1, 3, 5, ...; each batch of the 1-process run is the two ranks' together
-    fit(tmp_path / "ddp", batch_size=2, module=module, strategy=strategy, **overrides)
-    fit(tmp_path / "one", batch_size=4, module=module, devices=1, **overrides)
-    ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    reference = torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)["weights"]
-    initial = module(str(tmp_path)).state_dict()
+    ranks = fit(batch_size=2, module=module, strategy=strategy(), accumulate_grad_batches=accumulate)
+    with one_process():
+        reference = fit(batch_size=4, module=module, devices=1, accumulate_grad_batches=accumulate)
+    return ranks, reference["weights"]
+
+
+def assert_trained_as_one_process(outcomes: List[Any], module: type) -> List[Dict[str, Any]]:
+    """Assert that both ranks end with the weights of the 1-process run (rank 0's, to rounding) and with equal
+    weights; return the ranks' reports."""
+    ranks = [report for report, _ in outcomes]
+    reference = outcomes[0][1]
+    initial = module().state_dict()
     for name, value in reference.items():
         assert not torch.equal(value, initial[name]), name  # every parameter trained in the reference
         for rank, report in enumerate(ranks):
@@ -172,16 +184,21 @@ def fit_as_one_process(tmp_path: Path, strategy: CustomDDP, module: type, **over
     return ranks
 
 
-@pytest.mark.timeout(300)
-def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(tmp_path: Path) -> None:
+def _recording_strategy() -> CustomDDP:
+    return RecordingDDP(timeout=TEST_PG_TIMEOUT, find_unused_parameters=True)
+
+
+RANK_CALLS["routed"] = (_fit_on_the_ranks_and_as_one_process, (_recording_strategy, Routed, 2))
+
+
+def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(on_two_ranks: CallOutcomes) -> None:
     """Fails without re-wrapping: the backbone's gradients stay per rank from epoch 1, so the ranks' backbones
     differ, and differ from the 1-process run's. Fails too when the ranks compare whether they hold gradients of
     the newly frozen parameters (a false "differ between ranks" error: only rank 0 holds the expert's), and when
     rank 1 does not take zeros for the expert's gradient (the ranks' all-reduces no longer match), and when only
     the newly frozen parameters' gradients are averaged at the re-wrap: the early expert's local sum from the
     window's first micro-batch then stays on rank 0 alone, and only rank 0 steps it."""
-    strategy = RecordingDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, find_unused_parameters=True)
-    ranks = fit_as_one_process(tmp_path, strategy, Routed)
+    ranks = assert_trained_as_one_process(on_two_ranks.returned("routed"), Routed)
     assert [report["expert_gradient_held"] for report in ranks] == [True, False]
 
     # Wrapped 3 times through the override: head and experts (6 tensors), + backbone (10), backbone and early
@@ -195,8 +212,8 @@ def test_parameters_unfrozen_and_frozen_during_fit_train_as_on_one_process(tmp_p
 class ManualFineTuned(FineTuned):
     """FineTuned with manual optimization: one step per batch, gradients set to None after it."""
 
-    def __init__(self, out_dir: str) -> None:
-        super().__init__(out_dir)
+    def __init__(self) -> None:
+        super().__init__()
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -206,20 +223,29 @@ class ManualFineTuned(FineTuned):
         optimizer.zero_grad()  # type: ignore[union-attr]
 
 
+STATIC_GRAPH_FLUSHED = Version(lightning.__version__) >= Version("2.6.0")
 needs_static_graph_flush = pytest.mark.skipif(
-    Version(lightning.__version__) < Version("2.6.0"),
+    not STATIC_GRAPH_FLUSHED,
     reason="Lightning before 2.6.0 does not synchronise the first step of manual optimization with"
     " static_graph=True at all, re-wrapped or not (Lightning #21251)",
 )
 
 
-@pytest.mark.timeout(300)
+def _static_graph_strategy() -> CustomDDP:
+    return CustomDDP(timeout=TEST_PG_TIMEOUT, static_graph=True)
+
+
+if STATIC_GRAPH_FLUSHED:
+    RANK_CALLS["manual, static graph"] = (
+        _fit_on_the_ranks_and_as_one_process, (_static_graph_strategy, ManualFineTuned, 1)
+    )
+
+
 @needs_static_graph_flush
-def test_manual_optimization_with_static_graph_across_re_wraps(tmp_path: Path) -> None:
+def test_manual_optimization_with_static_graph_across_re_wraps(on_two_ranks: CallOutcomes) -> None:
     """Fails without letting Lightning flush the first static-graph iteration of each new wrapper: that step's
     gradients are not all-reduced, and the ranks drift apart (by 0.1 here)."""
-    strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, static_graph=True)
-    fit_as_one_process(tmp_path, strategy, ManualFineTuned, accumulate_grad_batches=1)
+    assert_trained_as_one_process(on_two_ranks.returned("manual, static graph"), ManualFineTuned)
 
 
 @pytest.mark.timeout(300)
@@ -235,16 +261,6 @@ def test_manual_optimization_with_static_graph_in_a_second_fit_of_the_same_ranks
     assert ranks[0] == ranks[1]
 
 
-class SpawnablePowerSGDState(PowerSGDState):
-    """A PowerSGDState that spawned ranks can unpickle: torch's ``__setstate__`` looks the default process group
-    up, which a spawned rank creates only later (None means that group to the hook too)."""
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-        self.process_group = None
-
-
 class PowerSGDFineTuned(FineTuned):
     def report(self) -> Dict[str, Any]:
         state = _compat.comm_hook_arguments(self.trainer.strategy)[0]
@@ -252,18 +268,21 @@ class PowerSGDFineTuned(FineTuned):
         return {**super().report(), "error_feedback": len(state.error_dict), "start": state.start_powerSGD_iter}
 
 
-@pytest.mark.timeout(300)
-def test_powersgd_error_feedback_restarts_with_the_new_buckets(tmp_path: Path) -> None:
+def _fit_with_powersgd() -> Dict[str, Any]:
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    strategy = CustomDDP(timeout=TEST_PG_TIMEOUT, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+    # 4 steps per epoch; the re-wraps at steps 4 and 9 each leave the new wrapper's first step uncompressed
+    return fit(batch_size=2, module=PowerSGDFineTuned, accumulate_grad_batches=1, strategy=strategy)
+
+
+RANK_CALLS["powersgd"] = (_fit_with_powersgd, ())
+
+
+def test_powersgd_error_feedback_restarts_with_the_new_buckets(on_two_ranks: CallOutcomes) -> None:
     """Fails without clearing PowerSGD's per-bucket state: compression started at step 2, before the unfreeze
     at step 4 (then "The size of tensor a (217) must match the size of tensor b (5)")."""
-    state = SpawnablePowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-    strategy = CustomDDP(
-        start_method="spawn", timeout=TEST_PG_TIMEOUT, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook
-    )
-    # 4 steps per epoch; the re-wraps at steps 4 and 9 each leave the new wrapper's first step uncompressed
-    fit(tmp_path, batch_size=2, module=PowerSGDFineTuned, accumulate_grad_batches=1, strategy=strategy)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    initial = FineTuned(str(tmp_path)).state_dict()
+    ranks = on_two_ranks.returned("powersgd")
+    initial = FineTuned().state_dict()
     for name, value in ranks[0]["weights"].items():
         assert not torch.equal(value, initial[name]), name
         assert torch.equal(value, ranks[1]["weights"][name]), name
@@ -271,9 +290,10 @@ def test_powersgd_error_feedback_restarts_with_the_new_buckets(tmp_path: Path) -
         assert report["error_feedback"] > 0 and report["start"] == 10, report
 
 
-def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
+def _agree_on_flags() -> List[Optional[str]]:
     """On a real gloo group: the same flags agree; then rank 1 unfreezes one tensor fewer than rank 0."""
-    module = FineTuned("unused")
+    rank = dist.get_rank()
+    module = FineTuned()
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
     strategy.connect(module)
     strategy._wrapped_parameters = list(module.parameters())
@@ -290,16 +310,20 @@ def _agree_on_flags(rank: int, world_size: int) -> List[Optional[str]]:
     return errors
 
 
+RANK_CALLS["flags"] = (_agree_on_flags, ())
+
+
 # Torch 2.13 lets a parameter's gradient have a dtype of its own (grad_dtype); torch 2.6 does not. The dtype of
 # the bfloat16 parameter's gradient in _average_partly_held.
 GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
 HALF_GRAD_DTYPE = torch.float32 if GRAD_DTYPE_SETTABLE else torch.bfloat16
 
 
-def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
+def _average_partly_held() -> Dict[str, Any]:
     """On a real gloo group: gradients held on rank 0 only, one of them sparse, one of another dtype than its
     parameter's (torch's grad_dtype, where torch has it), one held nowhere; and one held on both ranks, in
     several buffers."""
+    rank = dist.get_rank()
     embedding = torch.nn.Embedding(4, 2, sparse=True)
     dense, nowhere = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
@@ -339,14 +363,17 @@ def _average_partly_held(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
-def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
+RANK_CALLS["partly held"] = (_average_partly_held, ())
+
+
+def test_gradients_held_on_some_ranks_only_are_averaged(on_two_ranks: CallOutcomes) -> None:
     """The ranks without one take zeros of the same layout (sparse here) and dtype, and enter the same
     all-reduces."""
     # the agreement (3 rows of 8), the sparse gradient, then flat float32 buffers of at most 16 bytes: dense (12),
     # half's float32 gradient (12), both[0] and both[1] (8 + 8), both[2] (8); then float16. Where half's gradient
     # is bfloat16 it gets a buffer of its own, after the float32 ones.
     reduced = [24, "sparse", 3, 3, 4, 2, 1] if GRAD_DTYPE_SETTABLE else [24, "sparse", 3, 4, 2, 3, 1]
-    for rank, result in enumerate(run_distributed(_average_partly_held, 2, timeout=60)):
+    for rank, result in enumerate(on_two_ranks.returned("partly held")):
         assert result == {
             "reduced": reduced,
             "sparse": True,
@@ -359,16 +386,16 @@ def test_gradients_held_on_some_ranks_only_are_averaged() -> None:
         }, (rank, result)
 
 
-def test_ranks_that_froze_different_parameters_are_told_which() -> None:
+def test_ranks_that_froze_different_parameters_are_told_which(on_two_ranks: CallOutcomes) -> None:
     """The error names the parameter, on every rank."""
-    for rank, (same, different) in enumerate(run_distributed(_agree_on_flags, 2)):
+    for rank, (same, different) in enumerate(on_two_ranks.returned("flags")):
         assert same is None, (rank, same)
         assert different is not None, rank
         message = r"backbone\.2\.bias requires grad on rank\(s\) \[0\] but not on rank\(s\) \[1\] .*: \{0: 6, 1: 5\}"
         assert re.search(message, different), (rank, different)
 
 
-def _rewrap_mixed_precision(rank: int, world_size: int) -> Optional[str]:
+def _rewrap_mixed_precision() -> Optional[str]:
     """On a real gloo group: a model wrapped with DDP's experimental mixed_precision, whose flags then change."""
     from torch.nn.parallel.distributed import DistributedDataParallel, _MixedPrecision
 
@@ -385,14 +412,20 @@ def _rewrap_mixed_precision(rank: int, world_size: int) -> Optional[str]:
     return None
 
 
-@pytest.mark.skipif(
-    torch.backends.cuda.is_built() and not torch.cuda.is_available(),
+DDP_MIXED_PRECISION_RUNS = not torch.backends.cuda.is_built() or torch.cuda.is_available()
+needs_an_accelerator_if_built_for_one = pytest.mark.skipif(
+    not DDP_MIXED_PRECISION_RUNS,
     reason="DDP's mixed precision makes a stream on the build's accelerator: a CUDA build needs a usable GPU",
 )
-def test_a_model_wrapped_with_ddp_mixed_precision_is_not_wrapped_again() -> None:
+if DDP_MIXED_PRECISION_RUNS:
+    RANK_CALLS["mixed precision"] = (_rewrap_mixed_precision, ())
+
+
+@needs_an_accelerator_if_built_for_one
+def test_a_model_wrapped_with_ddp_mixed_precision_is_not_wrapped_again(on_two_ranks: CallOutcomes) -> None:
     """Its forward hooks on every submodule cannot be removed: the old wrapper would keep casting (and stay
     alive) beside the new one. The error says what to use instead."""
-    for message in run_distributed(_rewrap_mixed_precision, 2, timeout=60):
+    for message in on_two_ranks.returned("mixed precision"):
         assert message is not None and re.search(
             r"experimental mixed_precision argument, whose forward hooks cannot be removed.*precision='bf16-mixed'",
             message,
@@ -411,10 +444,11 @@ class WithLocalParameter(torch.nn.Module):
         self._ddp_params_and_buffers_to_ignore = ["own.local"]
 
 
-def _rewrap_with_an_ignored_parameter(rank: int, world_size: int) -> Dict[str, Any]:
+def _rewrap_with_an_ignored_parameter() -> Dict[str, Any]:
     """On a real gloo group: a re-wrap (the shared bias frozen) while the ignored parameter holds a gradient."""
     from torch.nn.parallel.distributed import DistributedDataParallel
 
+    rank = dist.get_rank()
     module = WithLocalParameter(rank)
     strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
     strategy.model = DistributedDataParallel(module)
@@ -431,7 +465,10 @@ def _rewrap_with_an_ignored_parameter(rank: int, world_size: int) -> Dict[str, A
     }
 
 
-def test_parameters_ddp_ignores_keep_their_gradients_at_a_re_wrap() -> None:
+RANK_CALLS["ignored parameter"] = (_rewrap_with_an_ignored_parameter, ())
+
+
+def test_parameters_ddp_ignores_keep_their_gradients_at_a_re_wrap(on_two_ranks: CallOutcomes) -> None:
     """DDP never reduced them, and they may differ between ranks (averaging them aborted gloo on a size mismatch)."""
-    for rank, result in enumerate(run_distributed(_rewrap_with_an_ignored_parameter, 2, timeout=60)):
+    for rank, result in enumerate(on_two_ranks.returned("ignored parameter")):
         assert result == {"rewrapped": True, "local": [float(rank)] * (rank + 1), "bias": [0.5, 0.5]}, (rank, result)

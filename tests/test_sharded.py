@@ -14,23 +14,18 @@ through Lightning's spawn launcher: a refusal on one rank only, which the launch
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
 import textwrap
-import uuid
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 from benchmark_scripts import load_benchmark
-from distributed_helpers import CallOutcomes, RankCalls, run_distributed, run_python
+from distributed_helpers import CallOutcomes, RankCalls, one_process, run_python, shared_directory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
@@ -54,18 +49,6 @@ pytestmark = pytest.mark.usefixtures("spawn_job")
 
 #: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
 RANK_CALLS: RankCalls = {}
-
-#: Where calls save checkpoints that later calls resume from (the ranks share this machine's disk): given to them as
-#: an argument (a rank's own import of this module names another directory), made by the run that saves there,
-#: removed after the module's tests.
-CHECKPOINTS = Path(tempfile.gettempdir()) / f"test_sharded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def checkpoints_removed() -> Iterator[None]:
-    """Remove ``CHECKPOINTS`` once the module's tests are done."""
-    yield
-    shutil.rmtree(CHECKPOINTS, ignore_errors=True)
 
 
 def weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -223,18 +206,19 @@ def joined(cls: type, **kwargs: Any) -> Any:
     return cls(eval_mode="exact", timeout=RUN_TIMEOUT, **kwargs)
 
 
-def _fit_with_checkpoints(strategy_class: type, checkpoints: str) -> Dict[str, Any]:
-    """The 2-epoch job with a checkpoint after each epoch: this rank's report, and the first checkpoint's optimizer
-    state (the whole optimizer's, consolidated)."""
-    report = fit(joined(strategy_class), checkpoints=Path(checkpoints))
-    saved = torch.load(Path(checkpoints) / "epoch=0.ckpt", weights_only=False)["optimizer_states"][0]
+def _fit_with_checkpoints(strategy_class: type, name: str) -> Dict[str, Any]:
+    """The 2-epoch job with a checkpoint after each epoch, in the ranks' shared directory ``name``: this rank's
+    report, and the first checkpoint's optimizer state (the whole optimizer's, consolidated)."""
+    checkpoints = shared_directory(name)
+    report = fit(joined(strategy_class), checkpoints=checkpoints)
+    saved = torch.load(checkpoints / "epoch=0.ckpt", weights_only=False)["optimizer_states"][0]
     return {**report, "epoch_0_optimizer_state": saved}
 
 
 #: The same 2-epoch job under CustomDDP and under CustomDDPSharded, with a checkpoint after each epoch.
 JOB_RUNS = {"ddp": CustomDDP, "sharded": CustomDDPSharded}
 RANK_CALLS.update(
-    {f"fit, {name}": (_fit_with_checkpoints, (cls, str(CHECKPOINTS / name))) for name, cls in JOB_RUNS.items()}
+    {f"fit, {name}": (_fit_with_checkpoints, (cls, name)) for name, cls in JOB_RUNS.items()}
 )
 
 
@@ -330,8 +314,9 @@ def test_nested_lr_schedulers_drive_the_shard_optimizer(on_two_ranks: CallOutcom
         assert sharded["lrs"] == pytest.approx(expected)
 
 
-def _resume(strategy_class: type, ckpt_path: str) -> Dict[str, Any]:
-    return fit(joined(strategy_class), ckpt_path=ckpt_path)
+def _resume(strategy_class: type, source: str) -> Dict[str, Any]:
+    """The job resumed from the epoch-0 checkpoint that the call ``fit, <source>`` saved."""
+    return fit(joined(strategy_class), ckpt_path=str(shared_directory(source) / "epoch=0.ckpt"))
 
 
 #: name: (strategy, the run of JOB_RUNS whose epoch-0 checkpoint it resumes, the run whose 2nd epoch it must equal)
@@ -342,7 +327,7 @@ RESUMES = {
 }
 RANK_CALLS.update(
     {
-        f"resume, {name}": (_resume, (cls, str(CHECKPOINTS / source / "epoch=0.ckpt")))
+        f"resume, {name}": (_resume, (cls, source))
         for name, (cls, source, _) in RESUMES.items()
     }
 )
@@ -412,9 +397,6 @@ def test_bf16_mixed_clips_the_global_norm(on_two_ranks: CallOutcomes) -> None:
 
 class FineTuned(BackboneAndHead):
     """A backbone frozen at first and a head."""
-
-    def __init__(self) -> None:
-        super().__init__(out_dir="")  # nothing is written there: the runs return the weights
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
@@ -506,25 +488,13 @@ class UnfreezeFirstLayers(BaseFinetuning):
             self.make_trainable(first)
 
 
-@contextmanager
-def one_process() -> Iterator[None]:
-    """Hide the variables torchrun sets from a Trainer on one of the module's ranks: a one-device Trainer there is
-    one process of its own (its global rank 0), next to the ranks' runs."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
-    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(hidden)
-
-
-def _resume_two_optimizers_from_one_process(out: str) -> Dict[str, Any]:
+def _resume_two_optimizers_from_one_process() -> Dict[str, Any]:
     """This rank's own one-process run of 3 epochs, then both ranks resuming its epoch-1 checkpoint sharded."""
     checkpoint = lambda out: ModelCheckpoint(  # noqa: E731
         dirpath=out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
     )
     kwargs = trainer_kwargs(max_epochs=3, enable_checkpointing=True)
-    one, sharded = Path(out) / f"one_process_on_rank_{dist.get_rank()}", Path(out) / "sharded"
+    one, sharded = shared_directory(f"two, one process on rank {dist.get_rank()}"), shared_directory("two, sharded")
     reference = TwoOptimizers()
     with one_process():
         pl.Trainer(**{**kwargs, "devices": 1, "callbacks": [UnfreezeFirstLayers(), checkpoint(one)]}).fit(
@@ -544,7 +514,7 @@ def _resume_two_optimizers_from_one_process(out: str) -> Dict[str, Any]:
     }
 
 
-RANK_CALLS["two backward passes, resumed"] = (_resume_two_optimizers_from_one_process, (str(CHECKPOINTS / "two"),))
+RANK_CALLS["two backward passes, resumed"] = (_resume_two_optimizers_from_one_process, ())
 
 
 @needs_fairscale
@@ -758,8 +728,9 @@ def test_validation_inside_fit_uses_rank_0_s_buffers_as_custom_ddp_does(on_two_r
 
 
 # ---------------------------------------------------------------------------------------------- parts, on 2 gloo ranks
-def _parts(rank: int, world_size: int) -> Dict[str, Any]:
+def _parts() -> Dict[str, Any]:
     """Re-wrapping, schedulers, clipping in every precision, the scaler, the save guard and its group, on real ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     import copy
     import math
 
@@ -894,10 +865,13 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.accelerators import CPUAccelerator
 
+    from lightning_ddp_ext.sharded import _save_guard
+
     def groups() -> int:
         return len(dist.distributed_c10d._world.pg_map)
 
-    counts = [groups()]
+    made_by_an_earlier_call = int(_save_guard.get("world") is dist.group.WORLD)  # a sharded fit on these ranks
+    counts = [groups() - made_by_an_earlier_call]
     for _ in range(2):  # two Trainers, each with a fit and a test
         strategy = CustomDDPSharded(
             accelerator=CPUAccelerator(),
@@ -914,10 +888,8 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     # not saving), rank 1 after the process group's timeout (rank 0 did not come). The other rank never saves:
     # it waits on the world group (keeping the guard's group alive) until then. The strategy's `timeout` (the
     # main group's, which the guard's group takes) is short here, so rank 1 alone fails fast.
-    import os
     import time
 
-    os.environ["LOCAL_RANK"] = str(rank)  # this spawned rank's, for the strategy's global_rank (rank 0 writes)
     guarded = CustomDDPSharded(
         save_timeout=timedelta(seconds=1),
         timeout=timedelta(seconds=4),
@@ -961,10 +933,14 @@ def _parts(rank: int, world_size: int) -> Dict[str, Any]:
     return facts
 
 
+# The parts' calls come last: a save guard's timeout is provoked here (on a group of its own, but a call that went
+# wrong could leave the world group unusable for the calls after it).
+RANK_CALLS["parts"] = (_parts, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_parts_on_two_ranks() -> None:
-    facts = run_distributed(_parts, 2, timeout=90)
+def test_parts_on_two_ranks(on_two_ranks: CallOutcomes) -> None:
+    facts = on_two_ranks.returned("parts")
     assert "Ranks 1 failed to pass monitoredBarrier" in facts[0]["guard"]  # rank 0 names the missing rank
     assert "either rank 0 is not saving or is later than" in facts[1]["guard"]  # rank 1 cannot tell which
     for rank in range(2):
@@ -973,8 +949,9 @@ def test_parts_on_two_ranks() -> None:
     assert facts[1]["late_rank_0_state"] == []
 
 
-def _add_param_group(rank: int, world_size: int) -> None:
+def _add_param_group() -> None:
     """Adam, one step, two groups added, two steps: sharded and plain optimizers give the same parameters."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     from lightning_ddp_ext.sharded import shard_optimizer
 
     def build() -> List[torch.nn.Parameter]:
@@ -1013,12 +990,14 @@ def _add_param_group(rank: int, world_size: int) -> None:
         assert torch.allclose(mine, expected, atol=1e-7), (rank, index, mine, expected)
 
 
+RANK_CALLS["add_param_group"] = (_add_param_group, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_add_param_group_steps_every_parameter_as_the_plain_optimizer() -> None:
+def test_add_param_group_steps_every_parameter_as_the_plain_optimizer(on_two_ranks: CallOutcomes) -> None:
     """Lightning's BaseFinetuning adds groups with ``add_param_group``. OSS then recomputes the partition but
     only appends the new group to the shard optimizer: a partition that moved parameters left some unstepped."""
-    run_distributed(_add_param_group, 2, timeout=90)
+    on_two_ranks.returned("add_param_group")
 
 
 class ClippedSGD(torch.optim.SGD):
@@ -1029,7 +1008,7 @@ class ClippedSGD(torch.optim.SGD):
         self.max_update = max_update
 
 
-def _optimizers_that_cannot_be_sharded_as_they_are(rank: int, world_size: int) -> Dict[str, str]:
+def _optimizers_that_cannot_be_sharded_as_they_are() -> Dict[str, str]:
     from fairscale.optim import OSS
 
     from lightning_ddp_ext.sharded import shard_optimizer
@@ -1049,12 +1028,14 @@ def _optimizers_that_cannot_be_sharded_as_they_are(rank: int, world_size: int) -
     return errors
 
 
+RANK_CALLS["optimizers that cannot be sharded"] = (_optimizers_that_cannot_be_sharded_as_they_are, ())
+
+
 @needs_fairscale
-@pytest.mark.timeout(120)
-def test_optimizers_that_would_step_differently_sharded_are_refused() -> None:
+def test_optimizers_that_would_step_differently_sharded_are_refused(on_two_ranks: CallOutcomes) -> None:
     """Rebuilt from its parameter groups and defaults, ClippedSGD lost ``max_update`` and stepped unclamped; LBFGS
     on a shard (inner products over some parameters only) trained to weights hundreds of times off DDP's."""
-    for errors in run_distributed(_optimizers_that_cannot_be_sharded_as_they_are, 2, timeout=90):
+    for errors in on_two_ranks.returned("optimizers that cannot be sharded"):
         assert errors.keys() == {"option", "lbfgs", "lbfgs_in_oss"}, errors
         assert "could not rebuild ClippedSGD as a fairscale OSS shard (its attribute 'max_update' is 0.01" in errors[
             "option"

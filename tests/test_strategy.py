@@ -19,7 +19,7 @@ import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed_helpers import CallOutcomes, RankCalls, run_python, single_rank_in_this_process
+from distributed_helpers import CallOutcomes, RankCalls, run_python, shared_directory, single_rank_in_this_process
 from lightning.pytorch.strategies import StrategyRegistry
 from packaging.version import Version
 from scenarios import (
@@ -863,21 +863,31 @@ def test_forkserver_ranks_on_cpu_train_parameters_of_their_own_with_the_launchin
     assert trainer.callback_metrics["launch_environment_on_every_rank"].item() == 1.0
 
 
-def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(tmp_path: Path) -> None:
+def _fit_then_resume_with_no_epoch_left() -> List[List[int]]:
+    """A one-epoch fit that saves its last checkpoint, then a fit resumed from it with max_epochs=1: the epochs each
+    set on its user's sampler (a sampler of each fit's own: a sampler records every epoch it is given)."""
+    checkpoints = shared_directory("no epoch left")
+    first, again = Recorder(), Recorder()
+    saving = pl.callbacks.ModelCheckpoint(dirpath=checkpoints, save_last=True)
+    pl.Trainer(
+        strategy=CustomDDP(timeout=TEST_PG_TIMEOUT),
+        **trainer_kwargs(max_epochs=1, enable_checkpointing=True, callbacks=[saving]),
+    ).fit(first, DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=0)))
+    pl.Trainer(strategy=CustomDDP(timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1)).fit(
+        again,
+        DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=0)),
+        ckpt_path=checkpoints / "last.ckpt",
+    )
+    return [records(model)["facts"]["epochs_set"]["only"] for model in (first, again)]
+
+
+RANK_CALLS["resumed with no epoch left"] = (_fit_then_resume_with_no_epoch_left, ())
+
+
+def test_a_resumed_fit_with_no_epoch_left_sets_no_epoch(on_two_ranks: CallOutcomes) -> None:
     """Resumed at max_epochs, Lightning's loop starts no epoch and sets none; the strategy set one ahead of it
     (a curriculum sampler advanced once more, and the repeat it expected never came)."""
-    loader = DataLoader(IndexDataset(), batch_sampler=PKBatches(labels_for(), p=2, k=4, seed=0))
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = pl.Trainer(
-        strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT),
-        **trainer_kwargs(max_epochs=1, enable_checkpointing=True, callbacks=[checkpoints]),
-    )
-    (tmp_path / "first").mkdir(), (tmp_path / "again").mkdir()
-    first.fit(Recorder(str(tmp_path / "first")), loader)
-    again = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1))
-    again.fit(Recorder(str(tmp_path / "again")), loader, ckpt_path=tmp_path / "last.ckpt")
-    assert [r["facts"]["epochs_set"]["only"] for r in read_ranks(str(tmp_path / "first"), 2)] == [[0], [0]]
-    assert [r["facts"]["epochs_set"]["only"] for r in read_ranks(str(tmp_path / "again"), 2)] == [[], []]
+    assert on_two_ranks.returned("resumed with no epoch left") == [[[0], []], [[0], []]]
 
 
 class OrderRecorderWithValidation(OrderRecorder):
