@@ -15,13 +15,13 @@ TORCH_LOWEST ?= torch==2.6.0
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-lowest typecheck docs bench clean
+.PHONY: demo test test-lowest typecheck lint docs bench clean
 
 # --clear: a venv made before the extras were split must lose scikit-learn and matplotlib, not keep them.
 $(VENV)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
 	$(PYTHON) -m venv --clear $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH)"
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,typecheck]"
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[test,docs,typecheck,lint]"
 	touch $@
 
 $(VENV_TOOLS)/.installed: setup.cfg setup.py lightning_ddp_ext/_compact.c
@@ -74,6 +74,10 @@ test-lowest: $(VENV_LOWEST)/.installed
 ## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy lightning_ddp_ext
+
+## make lint: flake8 over the package, tests, benchmarks, examples and the docs' scripts (settings in setup.cfg; flake8 pinned in the lint extra)
+lint: $(VENV)/.installed
+	$(VENV)/bin/flake8 lightning_ddp_ext tests benchmarks examples docs setup.py
 
 ## make docs: the Sphinx site in docs/_build/html, warnings as errors (works offline: see docs/conf.py)
 docs: $(VENV)/.installed

@@ -1,8 +1,9 @@
 """Time gathering one large float32 tensor per rank three ways, on real gloo processes.
 
 Why: ``lightning_ddp_ext.sync.sync_dicts`` sends tensors as tensors (a padded ``all_gather`` of raw bytes,
-on Gloo cut into chunks of 8 MiB that are in flight together) instead of pickling them. This script checks that this is worth it, against ``all_gather_object`` and against
-pickling into a byte tensor by hand, each producing the same concatenated tensor on every rank.
+on Gloo cut into chunks of 8 MiB that are in flight together) instead of pickling them. This script checks
+that this is worth it, against ``all_gather_object`` and against pickling into a byte tensor by hand, each
+producing the same concatenated tensor on every rank.
 
     python benchmarks/gather.py --rows 100000 --dim 128 --repeats 5 [--plot gather.png] [--check]
 

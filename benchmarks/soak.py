@@ -186,7 +186,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=200)
     parser.add_argument(
-        "--samples", type=int, default=201, help="dataset size (the default makes 39 batches: one padding repeat on 2 ranks)"
+        "--samples", type=int, default=201,
+        help="dataset size (the default makes 39 batches: one padding repeat on 2 ranks)",
     )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")

@@ -43,7 +43,10 @@ TARGET_RATIO = 1.02
 SAMPLES, BATCH = 4096, 32
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # before any pinning
 # (job, baseline strategy, our strategy): "ddp" in the custom job deals by hand (use_distributed_sampler=False).
-JOBS: Tuple[Tuple[str, str, str], ...] = (("plain", "ddp", "ddp_custom_sampler"), ("custom", "ddp", "ddp_custom_sampler"))
+JOBS: Tuple[Tuple[str, str, str], ...] = (
+    ("plain", "ddp", "ddp_custom_sampler"),
+    ("custom", "ddp", "ddp_custom_sampler"),
+)
 
 
 class ShuffledBatches:
@@ -258,7 +261,8 @@ def main() -> None:
     for result in _run("rounds", 1, 1):
         per_step = result["rounds"] / result["optimizer_steps"]
         exact = exact and per_step == 1
-        print(f"{result['accumulate']:23d}   {result['optimizer_steps']:15d}   {result['rounds']:17d}   {per_step:15.3f}")
+        steps, rounds = result["optimizer_steps"], result["rounds"]
+        print(f"{result['accumulate']:23d}   {steps:15d}   {rounds:17d}   {per_step:15.3f}")
     print(f"target exactly 1 round per optimizer step: {'PASS' if exact else 'FAIL'}")
 
 

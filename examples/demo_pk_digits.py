@@ -138,7 +138,8 @@ def check_partition(per_rank: List[Dict[int, List[List[int]]]], sampler: ClassBa
         ok = Counter(dealt) == Counter(expected + expected[:padding])
         counts = ", ".join(f"rank {r} {len(rank_batches[epoch])}" for r, rank_batches in enumerate(per_rank))
         note = f" (+{padding} padding)" if padding else ""
-        print(f"  epoch {epoch}: {counts} of {len(expected)} batches{note}; disjoint and complete: {'yes' if ok else 'NO'}")
+        verdict = "yes" if ok else "NO"
+        print(f"  epoch {epoch}: {counts} of {len(expected)} batches{note}; disjoint and complete: {verdict}")
         if not ok:
             raise SystemExit("the ranks did not partition the sampler's batches")
 

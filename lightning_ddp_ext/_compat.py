@@ -149,7 +149,8 @@ def training_batches_per_loader(trainer: "pl.Trainer", lengths: List[float]) -> 
     order) if it set them up now, under ``limit_train_batches``; None where it would refuse a length (a fraction
     of less than one batch)."""
     try:
-        return [float(_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches)) for length in lengths]
+        limit = trainer.limit_train_batches
+        return [float(_parse_num_batches(RunningStage.TRAINING, length, limit)) for length in lengths]
     except MisconfigurationException:
         return None
 
@@ -252,7 +253,8 @@ def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
     batch_sampler = sharded.batch_sampler
     sampling: Dict[str, Any]
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:  # a dealt batch sampler
-        sampling = {"batch_sampler": batch_sampler, "sampler": None, "batch_size": 1, "shuffle": False, "drop_last": False}
+        sampling = {"batch_sampler": batch_sampler, "sampler": None, "batch_size": 1}
+        sampling.update(shuffle=False, drop_last=False)
     else:
         sampling = {"sampler": sharded.sampler, "batch_sampler": None, "shuffle": False}
         sampling.update(batch_size=sharded.batch_size, drop_last=sharded.drop_last)
@@ -265,7 +267,8 @@ def rebuild_dataloader(original: DataLoader, sharded: DataLoader) -> DataLoader:
     try:
         args, kwargs = _get_dataloader_init_args_and_kwargs(view, sharded.sampler)
         positional = list(getattr(original, "__pl_saved_arg_names", ()))[: len(args)]
-        args = tuple(sampling.pop(name, value) for name, value in zip(positional, args)) + tuple(args[len(positional) :])
+        named = tuple(sampling.pop(name, value) for name, value in zip(positional, args))
+        args = named + tuple(args[len(positional) :])
         rebuilt = _reinstantiate_wrapped_cls(original, *args, **{**kwargs, **sampling})
     except (MisconfigurationException, TypeError, ValueError) as error:
         raise TypeError(
@@ -550,7 +553,8 @@ def mid_epoch_resume(trainer: "pl.Trainer") -> Optional[tuple[int, int]]:
     # Lightning runs the epoch's batches it does not count as done. Loops with restart stages count the batch
     # whose on_train_batch_end wrote the checkpoint (processed, not yet completed); older ones (2.2) run it
     # again, so skipping it there would leave them one batch short: no epoch-end validation, no last step.
-    done = progress.processed if hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end") else progress.completed
+    restarts_on_batch_end = hasattr(trainer.fit_loop.epoch_loop, "restarted_on_train_batch_end")
+    done = progress.processed if restarts_on_batch_end else progress.completed
     return restarted[1], int(done)
 
 
@@ -673,7 +677,9 @@ class TrainingEpochToDeal:
 
     def __call__(self, epoch: int) -> int:
         trainer = self._trainer() if self._trainer is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not hasattr(trainer.fit_loop, "resumed_on_epoch_end"):
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return epoch
+        if not hasattr(trainer.fit_loop, "resumed_on_epoch_end"):  # loops without restart stages never run ahead
             return epoch
         progress: Any = trainer.fit_loop.epoch_progress.current
         return epoch - 1 if epoch == progress.processed == progress.completed + 1 else epoch

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 
 
-
 def source_digest(source: Path) -> str:
     """SHA-256 of the C helper's source, line endings as LF: what setup.py records in the module it builds."""
     return hashlib.sha256(source.read_bytes().replace(b"\r\n", b"\n")).hexdigest()

@@ -32,7 +32,8 @@ _STRIDE = 64
 
 
 def sampled_positions(start: int, end: int) -> range | list[int]:
-    """The positions in ``[start, end)`` that the digest hashes: the first ``_HEAD_ITEMS``, then every ``_STRIDE``-th."""
+    """The positions in ``[start, end)`` that the digest hashes: the first ``_HEAD_ITEMS``, then every
+    ``_STRIDE``-th."""
     if end <= _HEAD_ITEMS:
         return range(start, end)
     first_strided = max(_HEAD_ITEMS, -(-start // _STRIDE) * _STRIDE)
@@ -140,7 +141,8 @@ class RunningDigest:
     def snapshot(self) -> SequenceDigest:
         rank, num_replicas = self._share
         return SequenceDigest(
-            self._sampler, self._epoch, self._declared_length, self._items, self._value, self._dealing, rank, num_replicas
+            self._sampler, self._epoch, self._declared_length, self._items, self._value, self._dealing, rank,
+            num_replicas,
         )
 
 

@@ -330,7 +330,8 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             return len(self)
         if self.shuffle:
             raise ValueError("real_share_length() needs shuffle=False: shuffling moves padding into the sequence.")
-        return len(range(self.rank, min(self._declared_length(), self._plan(self._declared_length())), self.num_replicas))
+        declared = self._declared_length()
+        return len(range(self.rank, min(declared, self._plan(declared)), self.num_replicas))
 
     def _dealing_options(self) -> str:
         """The options that decide which positions are this rank's: every rank must deal with the same ones (the

@@ -34,7 +34,6 @@ from lightning_ddp_ext.strategy import CustomDDP
 
 if TYPE_CHECKING:
     from fairscale.optim import OSS
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "CustomDDPSharded",
@@ -946,9 +945,9 @@ class CustomDDPSharded(CustomDDP):
         """Wrap ``model`` in ShardedDataParallel over this strategy's OSS optimizers.
 
         The wrapper is a subclass of fairscale's that reduces the gradients of every backward pass the strategy
-        runs, also of several after one forward (fairscale's reduces only the first). ``device_ids`` is unused: SDP works on
-        the device the model is on. Override to change the wrapper's options; ``self.optimizers`` are the OSS
-        optimizers at this point. A plain ``ShardedDataParallel`` returned from an override trains correctly
+        runs, also of several after one forward (fairscale's reduces only the first). ``device_ids`` is unused:
+        SDP works on the device the model is on. Override to change the wrapper's options; ``self.optimizers`` are
+        the OSS optimizers at this point. A plain ``ShardedDataParallel`` returned from an override trains correctly
         only with one backward pass per training step.
         """
         oss_class, _ = _fairscale()

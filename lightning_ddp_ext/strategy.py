@@ -1173,7 +1173,8 @@ class CustomDDP(DDPStrategy):
                         and given[2]._epoch_set_ahead is not None
                     )
                     sampler._set_epoch_ahead_of_loop(epoch, dealt_as=dealt, forwarded=forwarded)
-                    self._epochs_given[id(sampler.source)] = (sampler.source, epoch if dealt is None else dealt, sampler)
+                    given_epoch = epoch if dealt is None else dealt
+                    self._epochs_given[id(sampler.source)] = (sampler.source, given_epoch, sampler)
             elif sampler.epoch != epoch:
                 sampler.set_epoch(epoch)
         if wrapper is None:
@@ -1393,8 +1394,8 @@ class CustomDDP(DDPStrategy):
         ``setup`` or ``configure_model`` hook even before it loads the checkpoint, so that iterator would train the
         batches before a mid-epoch checkpoint again and draw them in epoch 0's order with ``num_workers > 0`` (its
         workers read the sampler at once); in ``configure_optimizers`` or an ``on_fit_start`` hook the position is
-        read from the loaded checkpoint, but stateful loaders would be left unrestored. Nothing to do when the fit loop is about to set
-        its loaders up again, or when the iterator made then yields what a new one would.
+        read from the loaded checkpoint, but stateful loaders would be left unrestored. Nothing to do when the fit
+        loop is about to set its loaders up again, or when the iterator made then yields what a new one would.
         """
         if _compat.reloads_training_loaders(trainer):
             return
@@ -1554,7 +1555,8 @@ class CustomDDP(DDPStrategy):
         sampler = _index_sampler(loader)
         if isinstance(sampler, DistributedSampler):  # deterministic: iterating it again gives the same share
             indices = list(sampler)
-            return indices[: len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))]  # type: ignore[arg-type]
+            dataset_length = len(sampler.dataset)  # type: ignore[arg-type]
+            return indices[: len(range(sampler.rank, dataset_length, sampler.num_replicas))]
         raise RuntimeError(
             f"{type(self).__name__} did not shard this loader ({type(sampler).__name__}), so it cannot tell which"
             " samples this rank evaluated; track the indices yourself and use lightning_ddp_ext.sync.gather_in_order."
@@ -1686,7 +1688,8 @@ class CustomDDP(DDPStrategy):
         if taken:  # checked before registering any, so that nothing is half done
             raise ValueError(
                 f"Strategy names already registered to other classes: {taken}. Choose other names in"
-                f" {cls.__name__}.registry_entries, or remove them first (StrategyRegistry.remove(name)) to replace them."
+                f" {cls.__name__}.registry_entries, or remove them first (StrategyRegistry.remove(name)) to replace"
+                " them."
             )
         for name, init_params in cls.registry_entries:
             entry = dict.get(strategy_registry, name)

@@ -356,7 +356,9 @@ def _all_gather_bytes(received: List[torch.Tensor], local: torch.Tensor, group: 
     size = local.numel()
     chunk = _GLOO_CHUNK_BYTES if local.device.type == "cpu" else size
     works = [
-        dist.all_gather([r[start : start + chunk] for r in received], local[start : start + chunk], group, async_op=True)
+        dist.all_gather(
+            [r[start : start + chunk] for r in received], local[start : start + chunk], group, async_op=True
+        )
         for start in range(0, size, chunk)
     ]
     for work in works:
@@ -804,8 +806,8 @@ def _holds_plain_float(value: Any) -> bool:
 def _same(a: Any, b: Any) -> bool:
     """Equality for per-sample objects: tensors and floating-point numpy arrays as in :func:`_close_rows`, other
     arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and tuples (a per-sample
-    ``{"embedding": tensor, "id": 3}``) and arrays of objects item by item, by these rules. An object is the same as itself, and NaNs match (floats,
-    complex numbers, arrays), as in tensors."""
+    ``{"embedding": tensor, "id": 3}``) and arrays of objects item by item, by these rules. An object is the same
+    as itself, and NaNs match (floats, complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     if isinstance(a, np.void) and isinstance(b, np.void):  # a row of a structured array: compared as one

@@ -205,7 +205,9 @@ class Recorder(pl.LightningModule):
             loaders = self.trainer.train_dataloader
             loaders = loaders if isinstance(loaders, dict) else {"only": loaders}
             self.facts["epochs_set"] = {
-                name: getattr(getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None), "epochs_set", None)
+                name: getattr(
+                    getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None), "epochs_set", None
+                )
                 for name, loader in loaders.items()
             }
         if self.out_dir is None:

@@ -413,7 +413,9 @@ def test_the_unpicklable_part_is_found_in_slots_dict_keys_and_partials() -> None
     assert unpicklable_path({"ok": 1}, "x") is None
     assert unpicklable_path({"s": SlottedHolder()}, "x") == "x (dict) -> ['s'] (SlottedHolder) -> .guard (lock)"
     assert unpicklable_path({threading.Lock(): 1}, "x").startswith("x (dict) -> key <unlocked _thread.lock")
-    assert unpicklable_path(functools.partial(print, sep=threading.Lock()), "x") == "x (partial) -> .keywords['sep'] (lock)"
+    assert unpicklable_path(functools.partial(print, sep=threading.Lock()), "x") == (
+        "x (partial) -> .keywords['sep'] (lock)"
+    )
 
 
 def _fit_on_lengths_by_rank(model_class: type) -> Dict[str, Any]:

@@ -57,7 +57,9 @@ def test_sampler_replacement_switch() -> None:
     requires = trainer._data_connector._requires_distributed_sampler
     dealt = patch_dataloader_to_ddp(DataLoader(range(8), batch_size=2), 2, 0, even_shares=False)
     assert requires(DataLoader(range(8), batch_size=2)) and not requires(dealt)
-    refused = pl.Trainer(accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False)
+    refused = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=CustomDDP(), use_distributed_sampler=False, logger=False
+    )
     assert _compat.take_over_sampler_replacement(refused) is False
 
 

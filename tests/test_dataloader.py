@@ -65,11 +65,15 @@ def collate_identity(batch: List[int]) -> List[int]:
 
 def test_custom_batch_sampler_is_dealt_whole_and_arguments_carry_over() -> None:
     generator = torch.Generator()
-    loader = DataLoader(Squares(), batch_sampler=ClassBalancedBatches(30, 4), collate_fn=collate_identity, generator=generator)
+    loader = DataLoader(
+        Squares(), batch_sampler=ClassBalancedBatches(30, 4), collate_fn=collate_identity, generator=generator
+    )
     patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)
     assert isinstance(patched.batch_sampler, DistributedBatchSamplerWrapper)
     assert patched.batch_sampler.batch_sampler is loader.batch_sampler
-    assert patched.collate_fn is collate_identity and patched.generator is generator and patched.dataset is loader.dataset
+    assert (
+        patched.collate_fn is collate_identity and patched.generator is generator and patched.dataset is loader.dataset
+    )
     user = list(loader.batch_sampler)  # type: ignore[arg-type]
     assert list(patched) == user[1::2] + [user[0]]  # 7 batches: the last round is padded with the first
 
@@ -89,7 +93,10 @@ def test_custom_index_sampler_under_plain_batch_sampler_is_wrapped() -> None:
     assert isinstance(patched.sampler, DistributedSamplerWrapper) and patched.sampler.sampler is weighted
     assert patched.batch_size == 5 and len(patched) == 3
     with_replacement = RandomSampler(Squares(), replacement=True)
-    assert isinstance(patch_dataloader_to_ddp(DataLoader(Squares(), sampler=with_replacement), 2, 0).sampler, DistributedSamplerWrapper)
+    assert isinstance(
+        patch_dataloader_to_ddp(DataLoader(Squares(), sampler=with_replacement), 2, 0).sampler,
+        DistributedSamplerWrapper,
+    )
 
 
 def test_plain_batch_sampler_passed_as_batch_sampler_keeps_its_sampler_size_and_drop_last() -> None:
@@ -106,7 +113,9 @@ def test_plain_batch_sampler_passed_as_batch_sampler_keeps_its_sampler_size_and_
         share = list(weighted)[rank::2]  # the user's draws, dealt; then batched by 4, the last 3 dropped
         weighted.generator.manual_seed(1)  # type: ignore[union-attr]
         assert [batch.tolist() for batch in patched] == [share[0:4], share[4:8], share[8:12]]
-    sequential = DataLoader(Squares(), batch_sampler=BatchSampler(range(30), 3, drop_last=False))  # type: ignore[arg-type]
+    sequential = DataLoader(
+        Squares(), batch_sampler=BatchSampler(range(30), 3, drop_last=False)  # type: ignore[arg-type]
+    )
     assert [b.tolist() for b in patch_dataloader_to_ddp(sequential, 2, 1)][:2] == [[1, 3, 5], [7, 9, 11]]
 
 
@@ -426,7 +435,10 @@ def _torch_shares(size: int, world: int, shuffle: bool, seed: int = 0) -> List[L
 
 
 def test_explicit_shuffle_wins_over_what_the_default_samplers_type_implies() -> None:
-    sequential, shuffled = DataLoader(Positions(10), batch_size=None), DataLoader(Positions(10), batch_size=None, shuffle=True)
+    sequential, shuffled = (
+        DataLoader(Positions(10), batch_size=None),
+        DataLoader(Positions(10), batch_size=None, shuffle=True),
+    )
     assert _shares(sequential, 2, shuffle=True, seed=3) == _torch_shares(10, 2, shuffle=True, seed=3)
     assert _shares(shuffled, 2, shuffle=False) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
     assert _shares(sequential, 2, shuffle=None) == _shares(sequential, 2) == _torch_shares(10, 2, shuffle=False)
@@ -447,8 +459,10 @@ def test_shuffle_window_deals_default_samplers_with_the_wrapper_over_their_posit
     assert isinstance(patched.sampler, DistributedSamplerWrapper) and type(patched.sampler.sampler) is SequentialSampler
     assert patched.sampler.shuffle and patched.sampler.shuffle_window == 1 and patched.sampler.seed == 4
     shares = _shares(loader, 3, shuffle_window=1, seed=4)
-    expected = [DistributedSamplerWrapper(SequentialSampler(Positions(12)), 3, r, shuffle=True, shuffle_window=1, seed=4)
-                for r in range(3)]
+    expected = [
+        DistributedSamplerWrapper(SequentialSampler(Positions(12)), 3, r, shuffle=True, shuffle_window=1, seed=4)
+        for r in range(3)
+    ]
     assert shares == [list(wrapper) for wrapper in expected]
     for window in range(4):  # positions are permuted only within windows of shuffle_window * 3 = 3
         assert sorted(share[window] for share in shares) == [3 * window, 3 * window + 1, 3 * window + 2]
@@ -576,7 +590,6 @@ def test_options_of_the_wrong_type_are_refused_for_every_kind_of_loader(
         patch_dataloader_to_ddp(loader, 2, 0, **options)
 
 
-
 def test_numpy_options_deal_a_default_sampler_as_python_ones_do() -> None:
     def share(**options: Any) -> List[List[int]]:
         return [batch.tolist() for batch in patch_dataloader_to_ddp(DataLoader(range(16), 2), 2, 0, **options)]
@@ -642,7 +655,9 @@ def test_a_loader_whose_workers_were_turned_off_after_construction_is_dealt(cls:
         warnings.simplefilter("error")
         patched = patch_dataloader_to_ddp(loader, num_replicas=2, rank=1)
     assert type(patched) is cls and patched.num_workers == 0
-    assert patched.prefetch_factor is None and not patched.persistent_workers and patched.multiprocessing_context is None
+    assert (
+        patched.prefetch_factor is None and not patched.persistent_workers and patched.multiprocessing_context is None
+    )
     batches = [batch["batch"] if cls is DictBatches else batch for batch in patched]
     assert [batch.tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19, 21, 23], [25, 27, 29]]
 
@@ -716,7 +731,10 @@ def _fixed_with_a_late_collate() -> DataLoader:
             "its argument 'secret' is neither DataLoader's nor kept as an attribute",
         ),
         (lambda: OwnOrder(Squares(), batch_size=4), "it replaced the sharded sampler it was given"),
-        (lambda: Doubling(Squares(), batch_size=2), "built again, its attribute 'batch_size' differs from the loader's"),
+        (
+            lambda: Doubling(Squares(), batch_size=2),
+            "built again, its attribute 'batch_size' differs from the loader's",
+        ),
         (lambda: Scaled(Squares(), scale=10.0, batch_size=4), "built again, its attribute 'factor' differs"),
         (_fixed_with_a_late_collate, "built again, its attribute 'collate_fn' differs from the loader's"),
     ],

@@ -483,7 +483,9 @@ def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> Non
     """Through Lightning's spawn launcher: the refusal reaches the process that launched the ranks."""
     strategy = CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT, eval_mode="exact")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs())
-    with pytest.raises(Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"):
+    with pytest.raises(
+        Exception, match="leaves rank 1 without a batch.*fewer ranks, a smaller batch size, or eval_mode='pad'"
+    ):
         trainer.validate(MeanLogger(), DataLoader(IndexDataset(1), batch_size=4))
 
 

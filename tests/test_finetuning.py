@@ -14,8 +14,8 @@ run). They and the checks of single parts below are calls made on two ranks star
   steps them; with ``find_unused_parameters=True`` only rank 0's data goes through the expert, so only rank 0
   holds its gradient; an early expert, still trainable, is reached only in the window's first micro-batch, before
   the re-wrap, on rank 0 (stock DDP remembers that across ``no_sync``; a new wrapper does not, so the strategy
-  averages every held gradient at the re-wrap). A ``configure_ddp`` override registers a counting comm hook (re-wrapping must go through
-  the override, and ``no_sync`` must still skip the accumulating steps);
+  averages every held gradient at the re-wrap). A ``configure_ddp`` override registers a counting comm hook
+  (re-wrapping must go through the override, and ``no_sync`` must still skip the accumulating steps);
 * the same schedule, without accumulation, with manual optimization and ``static_graph=True`` (Lightning
   flushes the first static-graph iteration of each new wrapper);
 * the same schedule, without accumulation, with PowerSGD, whose per-bucket error feedback must restart with

@@ -156,7 +156,9 @@ def test_spawn_a_failing_rank_ends_the_whole_job(fault: str, fault_rank: int, tm
         # The survivor should fail once the failing rank's exit handler has destroyed the group; on torch 2.6 it
         # was seen failing only after that rank had ended, which leaves the launcher nothing to choose.
         assert Version(torch.__version__.split("+")[0]) < Version("2.13"), message[-2000:]
-        pytest.skip(f"torch {torch.__version__}: the failing rank exited first, so the launcher's choice was not tested")
+        pytest.skip(
+            f"torch {torch.__version__}: the failing rank exited first, so the launcher's choice was not tested"
+        )
     elif fault == "sigkill":
         # the launcher reports the killed rank, or the survivor's error about its dead peer, whichever it saw first
         assert "SIGKILL" in message or "Connection" in message, message[-2000:]
@@ -279,7 +281,8 @@ def test_resume_with_loader_workers_trains_the_resumed_epoch(resume_runs_with_wo
         assert_same_weights(resumed["weights"][rank], uninterrupted["weights"][rank])
 
 
-USER_DEALT_DONE = 2  # scripts/reliability_resume_edges.py checkpoints its user_dealt and estimating runs 2 steps into epoch 1
+# scripts/reliability_resume_edges.py checkpoints its user_dealt and estimating runs 2 steps into epoch 1
+USER_DEALT_DONE = 2
 
 
 @pytest.fixture(scope="module")
@@ -291,16 +294,21 @@ def resume_edge_runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List
     runs = ("limited", "limited_first", "limited_resumed", "limited_resumed_with_workers", "cycled", "cycled_first",
             "cycled_resumed", "ended_by_max_steps", "ended_by_max_steps_first", "ended_by_max_steps_resumed",
             "ended_by_max_steps_resumed_by_epochs", "ended_reshuffled", "ended_reshuffled_first",
-            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again", "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_again", "grown_again_resumed", "grown_stale", "grown_validated", "grown_validated_first",
-            "grown_validated_resumed", "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "unsized", "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first",
-            "user_dealt_resumed", "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first", "estimating_resumed", "early", "early_first", "early_resumed",
+            "ended_reshuffled_resumed", "ended_reshuffled_reloading", "ended_reshuffled_again",
+            "ended_reshuffled_again_resumed", "grown", "grown_first", "grown_resumed", "grown_again",
+            "grown_again_resumed", "grown_stale", "grown_validated", "grown_validated_first", "grown_validated_resumed",
+            "grown_hooked", "grown_hooked_first", "grown_hooked_resumed", "grown_beside", "grown_late", "unsized",
+            "sized", "sized_first", "sized_resumed", "user_dealt", "user_dealt_first", "user_dealt_resumed",
+            "user_batched", "user_batched_first", "user_batched_resumed", "estimating", "estimating_first",
+            "estimating_resumed", "early", "early_first", "early_resumed",
             "user_sharded", "user_sharded_first", "user_sharded_resumed", "user_sharded_batched",
             "user_sharded_batched_first", "user_sharded_batched_resumed", "shared_resumed",
             "validating", "validating_resumed", "stateful", "stateful_first", "stateful_resumed",
-            "stateful_early_resumed", "stateful_estimating_resumed", "stateful_streams", "stateful_streams_first", "stateful_streams_resumed",
-            "stateful_streams_reloaded", "stateful_streams_reloaded_first", "stateful_streams_reloaded_resumed",
-            "generator_resumed", "generator_early_resumed", "generator_cycled_resumed", "generator_cycled_estimating_resumed",
-            "generator_cycled_early_resumed", "early_own_optimizers_resumed", "own_optimizers_resumed", "stateful_mixed",
+            "stateful_early_resumed", "stateful_estimating_resumed", "stateful_streams", "stateful_streams_first",
+            "stateful_streams_resumed", "stateful_streams_reloaded", "stateful_streams_reloaded_first",
+            "stateful_streams_reloaded_resumed", "generator_resumed", "generator_early_resumed",
+            "generator_cycled_resumed", "generator_cycled_estimating_resumed", "generator_cycled_early_resumed",
+            "early_own_optimizers_resumed", "own_optimizers_resumed", "stateful_mixed",
             "stateful_mixed_first", "stateful_mixed_resumed", "stateful_streams_on_fit_start_resumed",
             "stateful_used_trainer")
     return {run: [read_json(out / run / f"rank{r}.json") for r in range(WORLD)] for run in runs}
@@ -382,7 +390,9 @@ def test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run(
         "ended_by_max_steps": "skips the 3 batch(es) of epoch 0",  # which Lightning 2.6 calls epoch 1 in set_epoch
         "ended_reshuffled": "skips the 3 batch(es) of epoch 0",
         # Lightning 2.2 runs the restored epoch's last batch again: the sampler deals it, after the 3 before it.
-        "grown": "the next epoch has 6 and is trained from its first" if not rerun else "skips the 3 batch(es) of epoch 1",
+        "grown": (
+            "the next epoch has 6 and is trained from its first" if not rerun else "skips the 3 batch(es) of epoch 1"
+        ),
     }.get(run)
     if said is not None:
         info = resume_edge_runs[f"{run}_resumed"][0]["facts"]["info"]
@@ -553,7 +563,9 @@ def test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_
     """Lightning leaves the fit loop restarting after a resumed fit with no step left; a later fit on the same
     Trainer, resumed at step 2, still prepares the loaders its configure_optimizers sets up before the restore."""
     for rank in range(WORLD):
-        whole, used = (resume_edge_runs[run][rank]["seen"]["train/only"] for run in ("stateful", "stateful_used_trainer"))
+        whole, used = (
+            resume_edge_runs[run][rank]["seen"]["train/only"] for run in ("stateful", "stateful_used_trainer")
+        )
         assert used == whole[2:4], f"rank {rank}: {used} != {whole[2:4]}"
 
 
@@ -767,7 +779,9 @@ RANK_ERRORS = {
     ],
     "stream-on-rank-0": ["the ranks' loaders differ: rank 0 deals nothing (a loader that is not dealt"] * WORLD,
     "unseeded": ["PKBatches does not produce the same sequence on every rank"] * WORLD,
-    "length-by-rank": ["PKBatches does not produce the same sequence on every rank: len() is 8 on rank 0 but 9"] * WORLD,
+    "length-by-rank": [
+        "PKBatches does not produce the same sequence on every rank: len() is 8 on rank 0 but 9"
+    ] * WORLD,
 }
 
 

@@ -57,7 +57,9 @@ class VariableBatches:
             start += size
 
 
-def shares(source: Any, world: int, cls: type = DistributedBatchSamplerWrapper, epoch: int = 0, **options: Any) -> List[List[Any]]:
+def shares(
+    source: Any, world: int, cls: type = DistributedBatchSamplerWrapper, epoch: int = 0, **options: Any
+) -> List[List[Any]]:
     result = []
     for rank in range(world):
         wrapper = cls(source, num_replicas=world, rank=rank, **options)
@@ -268,11 +270,15 @@ def test_plans_in_python_and_in_numpy_agree(
 
 @settings(max_examples=60, deadline=None)
 @given(num=st.integers(1, 50), world=st.integers(1, 5), pad=st.booleans(), mode=modes, epoch=st.integers(0, 3))
-def test_index_wrapper_gives_disjoint_shares(num: int, world: int, pad: bool, mode: tuple[bool, Optional[int]], epoch: int) -> None:
+def test_index_wrapper_gives_disjoint_shares(
+    num: int, world: int, pad: bool, mode: tuple[bool, Optional[int]], epoch: int
+) -> None:
     shuffle, window = mode
     if not pad and num < world:
         return
-    result = shares(range(100, 100 + num), world, DistributedSamplerWrapper, epoch, shuffle=shuffle, shuffle_window=window, pad=pad)
+    result = shares(
+        range(100, 100 + num), world, DistributedSamplerWrapper, epoch, shuffle=shuffle, shuffle_window=window, pad=pad
+    )
     flat = [i for share in result for i in share]
     assert all(isinstance(i, int) for i in flat)
     assert len({len(s) for s in result}) == 1
@@ -351,7 +357,9 @@ def test_the_users_inner_sampler_is_reached_through_the_relay_and_batch_size_is_
     assert torch.equal(inner.weights, torch.arange(8.0)) and wrapper.sampler.num_samples == 8
     assert "weights" not in dir(type(wrapper.sampler))
     for name in ("batch_size", "drop_last"):
-        with pytest.raises(AttributeError, match=rf"cannot set '{name}' on DistributedBatchSamplerWrapper: .*wrapper.source.{name}"):
+        with pytest.raises(
+            AttributeError, match=rf"cannot set '{name}' on DistributedBatchSamplerWrapper: .*wrapper.source.{name}"
+        ):
             setattr(wrapper, name, 4)
         with pytest.raises(AttributeError, match=rf"Reach it on your object itself, wrapper.source.{name}"):
             getattr(wrapper, name)
@@ -470,7 +478,9 @@ def test_class_defaults_and_helpers_named_self_reach_the_users_object() -> None:
 
 def test_an_index_sampler_yielding_keys_is_told_to_yield_positions() -> None:
     """A map-style dataset may be keyed by strings; the wrappers deal integer indices, and say so."""
-    with pytest.raises(TypeError, match=r"yielded 'a' \(str\) at position 0; .* dealt by position: let the sampler yield"):
+    with pytest.raises(
+        TypeError, match=r"yielded 'a' \(str\) at position 0; .* dealt by position: let the sampler yield"
+    ):
         list(DistributedSamplerWrapper(["a", "b", "c", "d"], 2, 0))
 
 
@@ -743,7 +753,9 @@ def test_sampler_modules_import_without_lightning() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 4}, {"even_shares": False}])
+@pytest.mark.parametrize(
+    "options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 4}, {"even_shares": False}]
+)
 def test_recorded_items_equal_what_was_yielded_on_long_epochs(options: dict) -> None:
     """Long enough to go through every stage of the streaming path (Python head, C middle, Python tail)."""
     source = VariableBatches(5000)
@@ -764,7 +776,9 @@ def test_pad_is_part_of_the_dealing_options_only_where_it_changes_the_shares() -
         return [list(batch) for batch in wrapper], wrapper.epoch_digest
 
     for shuffle in (False, True):
-        assert dealt(pad=True, even_shares=False, shuffle=shuffle) == dealt(pad=False, even_shares=False, shuffle=shuffle)
+        assert (
+            dealt(pad=True, even_shares=False, shuffle=shuffle) == dealt(pad=False, even_shares=False, shuffle=shuffle)
+        )
         assert dealt(pad=True, shuffle=shuffle)[1] != dealt(pad=False, shuffle=shuffle)[1]
 
 

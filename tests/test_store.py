@@ -24,7 +24,11 @@ from hypothesis import strategies as st
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest
-from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper, _numpy_window_permutations
+from lightning_ddp_ext.samplers import (
+    DistributedBatchSamplerWrapper,
+    DistributedSamplerWrapper,
+    _numpy_window_permutations,
+)
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -80,7 +84,11 @@ batch = st.lists(index, max_size=6).flatmap(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only picks a path
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # the fixture only picks a path
+)
 @given(data=st.data(), batched=st.booleans(), blocks=st.integers(1, 3))
 def test_read_stores_and_keeps_what_the_actions_say(path: str, data: st.DataObject, batched: bool, blocks: int) -> None:
     items = data.draw(st.lists(batch if batched else st.one_of(index, index.map(np.int64)), max_size=40))
@@ -474,7 +482,8 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
             permutations = _numpy_window_permutations(seed, 5, 7, window, window)
             items = range(5 * window, 12 * window)
             shares = [
-                list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, NO_SAMPLES, None)) for rank in range(world)
+                list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, NO_SAMPLES, None))
+                for rank in range(world)
             ]
             for rank, share in enumerate(shares):
                 own = permutations[:, rank::world] + np.arange(5 * window, 12 * window, window)[:, None]
@@ -484,7 +493,9 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
     dealer = compact.WindowDealer(iter(range(70)), 7, 10, 2, 0, 0, 7, np.array([2, 5, 6]), samples.append)
     list(dealer)
     assert samples == [29, 59, 69] and dealer.read == 70  # the listed windows' last items
-    modular = [list(compact.WindowDealer(iter(range(32)), seed, 32, 2, 0, 0, 1, NO_SAMPLES, None)) for seed in (-1, 2**64 - 1)]
+    modular = [
+        list(compact.WindowDealer(iter(range(32)), seed, 32, 2, 0, 0, 1, NO_SAMPLES, None)) for seed in (-1, 2**64 - 1)
+    ]
     assert modular[0] == modular[1]  # seeds count modulo 2**64, as in numpy
 
 
@@ -590,6 +601,7 @@ def test_the_c_store_checks_its_arguments() -> None:
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
+
     def refuse(item: Any) -> bytes:
         raise ValueError("sampler broke")
 

@@ -291,7 +291,9 @@ class AdaptedDDP(CustomDDP):
 class UnwrappedOnOneRankDDP(CustomDDP):
     """Returns the model itself: nothing to synchronise in a world of one (on more ranks it warns)."""
 
-    def configure_ddp(self, model: torch.nn.Module, device_ids: Optional[List[int]]) -> torch.nn.Module:  # type: ignore[override]
+    def configure_ddp(  # type: ignore[override]
+        self, model: torch.nn.Module, device_ids: Optional[List[int]]
+    ) -> torch.nn.Module:
         return model
 
 
@@ -334,7 +336,9 @@ def test_init_ddp_connection_takes_1x_calls_and_must_leave_a_process_group() -> 
     assert "NoGroupDDP.init_ddp_connection returned without a default process group" in str(raised.value)
 
 
-def test_more_processes_per_node_than_devices_is_refused_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_processes_per_node_than_devices_is_refused_before_the_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """torchrun --nnodes=1 --nproc_per_node=2 with Trainer(num_nodes=2, devices=1): the world size matches, so
     Lightning accepted it, and local rank 1 failed with an IndexError in DDPStrategy.root_device."""
     environment = {"TORCHELASTIC_RUN_ID": "test", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
@@ -585,7 +589,9 @@ class SubclassLoaders(Recorder):
     """Both loaders are KeyedLoaders made in hooks (so Lightning records their arguments), one positionally."""
 
     def train_dataloader(self) -> DataLoader:
-        return KeyedLoader(IndexDataset(), "tk", batch_sampler=LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8))
+        return KeyedLoader(
+            IndexDataset(), "tk", batch_sampler=LengthBuckets([(i * 5) % 13 for i in range(DATASET_SIZE)], 8)
+        )
 
     def val_dataloader(self) -> DataLoader:
         return KeyedLoader(IndexDataset(), "vk", 8)
@@ -800,7 +806,9 @@ class OrderRecorder(pl.LightningModule):
 def test_the_main_process_saves_a_checkpoint_after_a_spawn_fit(tmp_path: Path) -> None:
     """``save_checkpoint`` calls ``barrier``, whose exact-evaluation guard asked a module no Trainer is attached to
     any more (in the main process after a spawn launch) for its Trainer: RuntimeError. Stock DDP saves."""
-    trainer = pl.Trainer(strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1))
+    trainer = pl.Trainer(
+        strategy=CustomDDP(start_method="spawn", timeout=TEST_PG_TIMEOUT), **trainer_kwargs(max_epochs=1)
+    )
     trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(8, 1)), batch_size=2))
     trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
     assert torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["state_dict"]
@@ -895,13 +903,17 @@ class OrderRecorderWithValidation(OrderRecorder):
         pass
 
 
-@pytest.mark.parametrize("val_dataloaders, warned", [([], False), ([[(torch.ones(2, 1),)]], True)], ids=["empty", "list"])
+@pytest.mark.parametrize(
+    "val_dataloaders, warned", [([], False), ([[(torch.ones(2, 1),)]], True)], ids=["empty", "list"]
+)
 def test_a_loader_that_is_no_dataloader_is_warned_about_unless_empty(val_dataloaders: Any, warned: bool) -> None:
     """A list of batches cannot be sharded (every rank runs all of it); ``[]`` (no validation) has nothing to shard."""
     with single_rank_in_this_process(free_port()), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
-        trainer.fit(OrderRecorderWithValidation(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2), val_dataloaders)
+        trainer.fit(
+            OrderRecorderWithValidation(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2), val_dataloaders
+        )
     said = [str(w.message) for w in caught if "is not a torch DataLoader, so it cannot be sharded" in str(w.message)]
     assert bool(said) == warned, said
 
@@ -1083,7 +1095,8 @@ def test_a_checkpoint_during_the_last_batch_of_an_epoch_resumes_like_the_uninter
     def fit(model: Crashing, **fit_options: Any) -> List[List[int]]:
         with single_rank_in_this_process(free_port()):
             trainer = pl.Trainer(
-                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3), **trainer_kwargs(devices=1, max_epochs=2)
+                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3),
+                **trainer_kwargs(devices=1, max_epochs=2),
             )
             data = TensorDataset(torch.arange(8).unsqueeze(1))
             try:

@@ -271,10 +271,16 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "sparse": lambda: sync_dicts({"t": torch.eye(2).to_sparse() if bad else torch.eye(2)}),
         "unpicklable": lambda: sync_dicts({"f": (lambda: 0) if bad else 1}),
         "world_size": lambda: sync_dicts({"a": 1}, world_size=world_size + 1 if bad else world_size),
-        "str_world_size": lambda: sync_dicts({"a": 1}, world_size=str(world_size) if bad else world_size),  # type: ignore[arg-type]
-        "float_dataset_size": lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], 4.0 if bad else 4),  # type: ignore[arg-type]
+        "str_world_size": lambda: sync_dicts(
+            {"a": 1}, world_size=str(world_size) if bad else world_size  # type: ignore[arg-type]
+        ),
+        "float_dataset_size": lambda: gather_in_order(
+            [0, 1], [2 * rank, 2 * rank + 1], 4.0 if bad else 4  # type: ignore[arg-type]
+        ),
         "negative_dataset_size": lambda: gather_in_order([0, 1], [2 * rank, 2 * rank + 1], -1 if bad else 4),
-        "none_index": lambda: gather_in_order(torch.zeros(2, 1), [0, None] if bad else [2, 3]),  # type: ignore[list-item]
+        "none_index": lambda: gather_in_order(
+            torch.zeros(2, 1), [0, None] if bad else [2, 3]  # type: ignore[list-item]
+        ),
         "zero_world_size": lambda: sync_dicts({"a": 1}, world_size=0 if bad else world_size),
         "per_batch_indices": lambda: gather_in_order(
             [torch.zeros(2, 3)] * 2 if bad else torch.zeros(2, 3),
@@ -287,11 +293,14 @@ def _lone_bad_call_worker(rank: int, world_size: int) -> Dict[str, Any]:
         "unpicklable_values": lambda: gather_in_order([(lambda: 0) if bad else 1], [rank]),
         "nested": lambda: sync_dicts({"t": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else 1}),
         "nested_values": lambda: gather_in_order(
-            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else torch.ones(2, 2), [2 * rank, 2 * rank + 1]
+            torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]) if bad else torch.ones(2, 2),
+            [2 * rank, 2 * rank + 1],
         ),
         "dict_values": lambda: gather_in_order({"a": 0, "b": 1} if bad else [0, 1], [2 * rank, 2 * rank + 1]),
         "failing_values": lambda: gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1]),
-        "unprintable": lambda: gather_in_order(_failing_values(_Unprintable()) if bad else [0, 1], [2 * rank, 2 * rank + 1]),
+        "unprintable": lambda: gather_in_order(
+            _failing_values(_Unprintable()) if bad else [0, 1], [2 * rank, 2 * rank + 1]
+        ),
     }
     try:
         gather_in_order(_failing_values() if bad else [0, 1], [2 * rank, 2 * rank + 1])

@@ -21,6 +21,7 @@ from reliability_common import (
 )
 from torch.utils.data import IterableDataset
 
+
 class Stream(IterableDataset):
     """An iterable dataset: CustomDDP does not deal it (it must shard itself)."""
 
