@@ -146,6 +146,11 @@ def loaders_by_kind(seed: Optional[int] = 0) -> Dict[str, DataLoader]:
     }
 
 
+def weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """A copy of ``module``'s state dict, to return from a call on ranks (see ``call_on_ranks``)."""
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
 class BackboneAndHead(pl.LightningModule):
     """A backbone (8 -> 16 -> 4) and a head (4 -> 1), seeded alike in every process, trained on MSE: the model of
     the fine-tuning tests, which freeze and unfreeze its parts."""

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BaseFinetuning
 from packaging.version import Version
 from distributed_helpers import CallOutcomes, RankCalls, one_process, run_python
-from scenarios import TEST_PG_TIMEOUT, BackboneAndHead, trainer_kwargs
+from scenarios import TEST_PG_TIMEOUT, BackboneAndHead, trainer_kwargs, weights
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.utils.data import DataLoader, Dataset
@@ -81,8 +81,7 @@ class FineTuned(BackboneAndHead):
         return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
 
     def report(self) -> Dict[str, Any]:
-        weights = {name: value.detach().clone() for name, value in self.state_dict().items()}
-        return {"weights": weights, "wraps": getattr(self.trainer.strategy, "wraps", None)}
+        return {"weights": weights(self), "wraps": getattr(self.trainer.strategy, "wraps", None)}
 
 
 class Routed(FineTuned):

@@ -31,7 +31,9 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from scenarios import BackboneAndHead, ConstantLossOnRankOne, PKBatches, labels_for, line_loader, trainer_kwargs
+from scenarios import (
+    BackboneAndHead, ConstantLossOnRankOne, PKBatches, labels_for, line_loader, trainer_kwargs, weights,
+)
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_ddp_ext import CustomDDP, CustomDDPSharded
@@ -49,11 +51,6 @@ pytestmark = pytest.mark.usefixtures("spawn_job")
 
 #: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
 RANK_CALLS: RankCalls = {}
-
-
-def weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """A copy of ``module``'s state dict, to return from a call."""
-    return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------- the job
@@ -137,7 +134,7 @@ class Regressor(pl.LightningModule):
         self.report = {
             "losses": self.losses,
             "clipped_norms": self.clipped_norms,
-            "weights": {k: v.detach().clone() for k, v in self.state_dict().items()},
+            "weights": weights(self),
             "optimizer": type(optimizer).__name__,
             "optimizer_mro": [cls.__name__ for cls in type(optimizer).__mro__],
             "state_bytes": sum(
