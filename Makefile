@@ -9,7 +9,7 @@ VENV_LOWEST ?= .venv-lowest
 # A CPU wheel of this torch ships with our machines (pip's find-links); elsewhere pip takes it from the index.
 TORCH ?= torch==2.13.0
 # The lowest supported Lightning and torch (setup.cfg's lower bounds), tested together by `make test-lowest`. No
-# CPU wheel of this torch ships with our machines: pip takes it from the index (a CUDA build, about 3 GB in all).
+# CPU wheel of this torch ships with our machines: pip takes it from the index (a CUDA build: the venv takes about 5.5 GB).
 LIGHTNING_LOWEST ?= lightning==2.2.0
 TORCH_LOWEST ?= torch==2.6.0
 PIP_FLAGS ?= --quiet --disable-pip-version-check
