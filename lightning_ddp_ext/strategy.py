@@ -1,6 +1,7 @@
 """``CustomDDP``: Lightning's DDPStrategy with DDPPlugin-style hooks and sampler dealing for custom samplers.
 
-Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, and every private
+Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, the gradient work of a
+re-wrap (averaging held gradients, clearing a comm hook's per-bucket state) in ``_gradients``, and every private
 Lightning access in ``_compat``.
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import zlib
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import cache, partial
-from itertools import chain
 from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Tuple, Union
 
@@ -31,7 +31,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.autograd.function import BackwardCFunction
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader
@@ -39,6 +38,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat
+from lightning_ddp_ext._gradients import average_held_gradients, reaches_a_parameter, restart_per_bucket_state
 from lightning_ddp_ext.consistency import (
     NOT_DEALT,
     NOT_DEALT_SOURCE,
@@ -76,12 +76,6 @@ _CONFIGURE_DDP_CONTRACT = (
     " instead, as Lightning's later argument-less configure_ddp(self) does, is not enough)."
 )
 _requires_grad = attrgetter("requires_grad")
-# Gradients averaged at a re-wrap go through flat buffers of at most this size (DDP's default bucket size):
-# the buffer is a copy, made while the old wrapper's buckets still exist.
-_AVERAGE_BUFFER_BYTES = 25 * 2**20
-# Gradient dtypes the ranks agree on by index when averaging gradients held on some ranks only (see
-# `CustomDDP._average_held_gradients`); any other takes the parameter's dtype.
-_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
 
 
 def _check_process_group_arguments(kwargs: Dict[str, Any], owner: str) -> None:
@@ -299,27 +293,6 @@ def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
         return items  # whole batches dealt, or automatic batching off: one item per step
     batch_size: int = getattr(batching, "batch_size")
     return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
-
-
-def _reaches_a_parameter(loss: torch.Tensor) -> bool:
-    """Whether ``loss``'s autograd graph may lead to an ``nn.Parameter``: a depth-first walk that stops at the
-    first one, which a loss computed from a model's output reaches within a few nodes (the last layer's), or at
-    a custom ``autograd.Function``, whose backward may use parameters that are not among its inputs (a reentrant
-    ``torch.utils.checkpoint`` runs its segment's forward again in backward, with the layers' weights)."""
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        # (isinstance against Parameter runs a Python-level __instancecheck__: only for the nodes that have one)
-        if variable is not None and isinstance(variable, Parameter):
-            return True
-        if isinstance(node, BackwardCFunction):
-            return True
-        stack.extend(next_node for next_node, _ in reversed(node.next_functions))
-    return False
 
 
 def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Tuple[str, Union[int, float]]:
@@ -673,11 +646,11 @@ class CustomDDP(DDPStrategy):
         others' gradient all-reduce, which fails or runs into the process group's ``timeout``.
 
         Gradients held when it happens (local sums of a ``no_sync`` window, or the last step's, already
-        averaged) are averaged here (:meth:`_average_held_gradients`): the new wrapper does not reduce those of
-        newly frozen parameters, and with ``find_unused_parameters=True`` it would take a parameter used only
-        before the re-wrap for unused by every rank and leave each rank its local sum (stock DDP remembers
-        which parameters a ``no_sync`` window used; a new wrapper starts without that record). Averaged, the new
-        wrapper's sum at the window's end averages to the same as on one process.
+        averaged) are averaged here (``_gradients.average_held_gradients``): the new wrapper does not reduce
+        those of newly frozen parameters, and with ``find_unused_parameters=True`` it would take a parameter
+        used only before the re-wrap for unused by every rank and leave each rank its local sum (stock DDP
+        remembers which parameters a ``no_sync`` window used; a new wrapper starts without that record).
+        Averaged, the new wrapper's sum at the window's end averages to the same as on one process.
 
         DDP's experimental ``mixed_precision`` argument is refused: the forward hooks it adds to every submodule
         cannot be removed from the old wrapper.
@@ -687,7 +660,7 @@ class CustomDDP(DDPStrategy):
         rank 0's buffers, as DDP's constructor does (with the default ``broadcast_buffers=True`` every forward
         does so anyway). It starts a new static graph (``static_graph=True``) and gets the comm hook again
         (``ddp_comm_hook``, or whatever ``configure_ddp`` registers); PowerSGD's per-bucket error feedback and
-        low-rank memories are cleared first (:meth:`_restart_per_bucket_state`), as the buckets change.
+        low-rank memories are cleared first (``_gradients.restart_per_bucket_state``), as the buckets change.
         """
         old = self.model
         assert isinstance(old, DistributedDataParallel)
@@ -704,8 +677,10 @@ class CustomDDP(DDPStrategy):
         # parameters DDP was told to ignore (they may even differ between ranks).
         ignored = set(getattr(old.module, "_ddp_params_and_buffers_to_ignore", ()))
         skipped = {id(p) for name, p in old.module.named_parameters() if name in ignored}
-        self._average_held_gradients(
-            [p for p, was in zip(self._wrapped_parameters, before) if was and id(p) not in skipped]
+        average_held_gradients(
+            [p for p, was in zip(self._wrapped_parameters, before) if was and id(p) not in skipped],
+            self.data_parallel_group,
+            self.root_device,
         )
         cuda = self.root_device.type == "cuda"
         if cuda:  # the old wrapper's reduction, the optimizer step and the average are done before the new wrapper
@@ -716,7 +691,7 @@ class CustomDDP(DDPStrategy):
         for handle in getattr(old, "_accum_grad_hooks", ()):
             handle.remove()
         for state in _compat.comm_hook_states(old, self):
-            self._restart_per_bucket_state(state)
+            restart_per_bucket_state(state)
         module = old.module
         self.model = module
         retired = weakref.ref(old)
@@ -773,90 +748,6 @@ class CustomDDP(DDPStrategy):
             " not depending on the rank or on per-rank randomness."
         )
 
-    @staticmethod
-    def _restart_per_bucket_state(state: object) -> None:
-        """Clear what a comm-hook state keeps per bucket index, for a wrapper with other buckets.
-
-        ``PowerSGDState`` keeps its error feedback and low-rank memories in dicts keyed by bucket index: the
-        new wrapper's bucket 0 would be added the old bucket 0's residual ("The size of tensor a (217) must
-        match the size of tensor b (5)"). Cleared, error feedback and warm start begin again with the new
-        buckets. Its iteration count carries on, but the new wrapper's first iteration is all-reduced
-        uncompressed: DDP rebuilds its buckets after that iteration (the reason ``PowerSGDState`` refuses
-        ``start_powerSGD_iter <= 1`` with error feedback or warm start), so compression resumes on the
-        rebuilt buckets, as at the start of training.
-        """
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
-        if isinstance(state, PowerSGDState):
-            state.error_dict.clear()
-            state.p_memory_dict.clear()
-            state.q_memory_dict.clear()
-            if state.use_error_feedback or state.warm_start:
-                state.start_powerSGD_iter = max(state.start_powerSGD_iter, state.iter + 1)
-
-    def _average_held_gradients(self, parameters: List[Parameter]) -> None:
-        """Average across ranks the gradients that ``parameters`` hold (those the old wrapper reduced: trainable,
-        and not among those DDP was told to ignore).
-
-        They are the last step's, already averaged by the old wrapper (Lightning zeroes gradients later, inside
-        the step's closure; averaging them again leaves them as they are, up to rounding), or local sums of a
-        ``no_sync`` window: averaged, a newly frozen parameter's is what the optimizer steps on one process, and
-        the others' are what the new wrapper's reduction at the window's end adds to. With
-        ``find_unused_parameters=True`` and data-dependent routing a local sum can exist on some ranks only: the
-        others take zeros, as DDP's own reduction does for a parameter unused on a rank (of the dtype and
-        layout, sparse or not, of the ranks that hold one). Where no rank has a gradient it stays None. Costs
-        one all-reduce of a small integer tensor, then the gradients' all-reduces in flat buffers of one
-        (dtype, device) and about ``_AVERAGE_BUFFER_BYTES`` each (a larger gradient gets a buffer of its own;
-        sparse ones one by one: gloo only, NCCL has no sparse all-reduce), each buffer a copy of its gradients
-        for the time of its all-reduce. A plain mean over the group, whatever comm hook is registered.
-        """
-        if not parameters:
-            return
-        group = self.data_parallel_group
-        world = dist.get_world_size(group)
-        device = self.root_device
-        # Agree per parameter on whether any rank holds a gradient, whether any holds a sparse one, and its dtype
-        # (a parameter's gradient dtype may differ from its own, torch's grad_dtype): a rank that holds none makes
-        # zeros of that layout and dtype, so that every rank enters the same all-reduces.
-        grads = [p.grad for p in parameters]
-        kinds = torch.tensor(  # held or not, the dtype's place in _GRAD_DTYPES + 1, the sparse dimensions (0: dense)
-            [
-                [g is not None for g in grads],
-                [_GRAD_DTYPES.index(g.dtype) + 1 if g is not None and g.dtype in _GRAD_DTYPES else 0 for g in grads],
-                [g.sparse_dim() if g is not None and g.is_sparse else 0 for g in grads],
-            ],
-            dtype=torch.int32,
-            device=device,
-        )
-        dist.all_reduce(kinds, op=dist.ReduceOp.MAX, group=group)
-        flat: Dict[tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}  # buffers' gradients, per kind
-        flat_bytes: Dict[tuple[torch.dtype, torch.device], int] = {}  # the last buffer's size, per kind
-        for parameter, held, kind, sparse_dim in zip(parameters, *kinds.tolist()):
-            if not held:
-                continue
-            if parameter.grad is None:
-                dtype = _GRAD_DTYPES[kind - 1] if kind else parameter.dtype
-                parameter.grad = torch.zeros_like(parameter, dtype=dtype)
-            if sparse_dim and not parameter.grad.is_sparse:
-                parameter.grad = parameter.grad.to_sparse(sparse_dim)
-            grad = parameter.grad
-            if grad.is_sparse:
-                grad.div_(world)  # before the sum, as DDP does: a sum of float16 gradients may overflow
-                dist.all_reduce(grad, group=group)
-            else:
-                key = (grad.dtype, grad.device)
-                filled = flat_bytes.get(key, 0)
-                if key not in flat or (filled and filled + grad.nbytes > _AVERAGE_BUFFER_BYTES):
-                    flat.setdefault(key, []).append([])
-                    filled = 0
-                flat[key][-1].append(grad)
-                flat_bytes[key] = filled + grad.nbytes
-        for same_kind in chain.from_iterable(flat.values()):
-            buffer = torch.cat([grad.reshape(-1) for grad in same_kind]).div_(world)
-            dist.all_reduce(buffer, group=group)
-            for grad, averaged in zip(same_kind, buffer.split([grad.numel() for grad in same_kind])):
-                grad.copy_(averaged.view_as(grad))
-
     def configure_ddp(self, model: Module, device_ids: Optional[List[int]]) -> Module:  # type: ignore[override]
         """Wrap ``model`` for data-parallel training and return the wrapper; override to use another wrapper.
 
@@ -900,7 +791,7 @@ class CustomDDP(DDPStrategy):
         all-reduces: the other ranks would wait in theirs until the timeout, or pair them with this rank's next
         step's, silently. Raised here, the launcher ends every rank with this message.
         """
-        if closure_loss.requires_grad and self._synchronises_gradients() and not _reaches_a_parameter(closure_loss):
+        if closure_loss.requires_grad and self._synchronises_gradients() and not reaches_a_parameter(closure_loss):
             raise RuntimeError(
                 f"{type(self).__name__}: the loss of this backward pass on rank {self.global_rank} depends on no"
                 " parameter (like torch.zeros((), requires_grad=True) returned for a batch with nothing to learn"

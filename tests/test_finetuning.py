@@ -44,8 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ddp_ext import CustomDDP, _compat
-from lightning_ddp_ext import strategy as strategy_module
+from lightning_ddp_ext import CustomDDP, _compat, _gradients
 
 pytestmark = pytest.mark.usefixtures("spawn_job")
 
@@ -338,7 +337,6 @@ def _average_partly_held() -> Dict[str, Any]:
         dense.grad = torch.full((3,), 2.0)
         # a float32 gradient where torch allows: without the agreement rank 1 would make bfloat16 zeros
         half.grad = torch.full((3,), 2.0, dtype=HALF_GRAD_DTYPE)
-    strategy = CustomDDP(parallel_devices=[torch.device("cpu")])
     reduced: List[Any] = []  # what each all-reduce took: its number of elements, or "sparse"
     all_reduce = torch.distributed.all_reduce
 
@@ -346,10 +344,11 @@ def _average_partly_held() -> Dict[str, Any]:
         reduced.append("sparse" if tensor.is_sparse else tensor.numel())
         return all_reduce(tensor, *args, **kwargs)
 
-    with patch.object(strategy_module, "_AVERAGE_BUFFER_BYTES", 16), patch.object(
-        strategy_module.dist, "all_reduce", recording_all_reduce
+    with patch.object(_gradients, "AVERAGE_BUFFER_BYTES", 16), patch.object(
+        _gradients.dist, "all_reduce", recording_all_reduce
     ):
-        strategy._average_held_gradients([embedding.weight, dense, nowhere, half, *both, large])
+        parameters = [embedding.weight, dense, nowhere, half, *both, large]
+        _gradients.average_held_gradients(parameters, None, torch.device("cpu"))
     return {
         "reduced": reduced,
         "sparse": embedding.weight.grad.is_sparse,

@@ -1170,15 +1170,15 @@ def test_a_loss_through_a_reentrant_checkpoint_counts_as_reaching_the_parameters
     """A reentrant torch.utils.checkpoint (Hugging Face's default for years) links the loss to the segment's
     inputs only: its parameters are reached when backward runs the segment again. Such a loss was refused as one
     that "depends on no parameter", where stock "ddp" trains it; a loss of inputs alone still is refused."""
-    from lightning_ddp_ext.strategy import _reaches_a_parameter
+    from lightning_ddp_ext._gradients import reaches_a_parameter
     from torch.utils.checkpoint import checkpoint
 
     layer, x = torch.nn.Linear(2, 2), torch.randn(3, 2, requires_grad=True)
-    assert _reaches_a_parameter(checkpoint(layer, x, use_reentrant=True).sum())
-    assert _reaches_a_parameter(checkpoint(layer, x, use_reentrant=False).sum())
-    assert _reaches_a_parameter(layer(x).sum())
-    assert not _reaches_a_parameter((x * 2).sum())
-    assert not _reaches_a_parameter(torch.zeros((), requires_grad=True))
+    assert reaches_a_parameter(checkpoint(layer, x, use_reentrant=True).sum())
+    assert reaches_a_parameter(checkpoint(layer, x, use_reentrant=False).sum())
+    assert reaches_a_parameter(layer(x).sum())
+    assert not reaches_a_parameter((x * 2).sum())
+    assert not reaches_a_parameter(torch.zeros((), requires_grad=True))
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
