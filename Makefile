@@ -45,31 +45,16 @@ demo: $(VENV_TOOLS)/.installed
 test: $(VENV)/.installed $(VENV_TOOLS)/.installed
 	LIGHTNING_DDP_EXT_TOOLS_PYTHON="$(abspath $(VENV_TOOLS))/bin/python" $(VENV)/bin/python -m pytest $(PYTEST_FLAGS) tests
 
-## make test-lowest: on the lowest supported Lightning and torch, the framework-free tests (samplers, dataloader patching, sync, the epoch store) and the Lightning-facing ones (strategy, evaluation, resumes (also on another number of ranks), exit clean-up, failure reports, the sharded scaler)
+## make test-lowest: every test but those of the demo, the docs, the benchmark scripts and the GPU, on the lowest supported Lightning and torch: the framework-free ones (samplers, dataloader patching, sync, the epoch store) and the Lightning-facing ones (strategy, evaluation, fine-tuning, resumes, exit clean-up, failure reports, bad input, the sharded variant, the README's snippets)
 FRAMEWORK_FREE_TESTS = tests/test_samplers.py tests/test_dataloader.py tests/test_sync.py tests/test_store.py \
 	tests/test_distributed_helpers.py
-RELIABILITY_TESTS = $(addprefix tests/test_reliability.py::,test_resume_from_an_epoch_end_checkpoint_matches_the_uninterrupted_run \
-	test_mid_epoch_resume_continues_where_the_checkpoint_was_taken test_resume_with_loader_workers_trains_the_resumed_epoch \
-	test_resumes_at_the_edges_of_an_epoch_continue_as_the_uninterrupted_run \
-	test_a_loader_serving_training_and_validation_is_not_left_with_a_resume_skip \
-	test_a_training_loader_set_up_in_the_setup_hook_is_dealt_as_usual_and_resumes_without_a_warning \
-	test_training_loaders_that_cannot_be_prepared_again_are_left_as_set_up_and_a_warning_says_so \
-	test_a_trainer_whose_resumed_fit_had_no_step_left_prepares_the_next_resumed_fit \
-	test_a_fit_resumed_in_validation_skips_in_training_not_in_the_validation_it_finishes \
-	test_ranks_leave_no_gloo_thread_to_interpreter_finalisation test_spawn_a_failing_rank_ends_the_whole_job \
-	test_a_mid_epoch_checkpoint_of_one_rank_resumes_on_two_right_after_the_batches_it_trained \
-	test_a_fit_ended_by_max_steps_and_resumed_twice_with_a_reshuffling_sampler_trains_as_the_uninterrupted_run \
-	test_a_sampler_growing_with_the_epoch_without_reloading_loaders_gets_a_warning_naming_the_fix \
-	test_a_fit_resumed_after_an_epochs_last_batch_and_interrupted_again_trains_as_the_uninterrupted_run \
-	test_a_mid_epoch_checkpoint_of_two_ranks_resumes_on_one_training_each_batch_left_once \
-	test_a_fit_resumed_by_epochs_after_one_stopped_inside_an_epoch_warns_that_its_rest_is_not_trained)
-# Lightning 2.2 (and 2.3) makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy replaces it;
-# and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
-SHARDED_LOWEST_TESTS = $(addprefix tests/test_sharded.py::,test_16_mixed_ranks_agree_on_skipping_a_step \
-	test_two_backward_passes_per_step_and_a_base_finetuning_resume_train_as_on_one_process)
+# Lightning 2.2 (and 2.3) makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy
+# replaces it; and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
+LIGHTNING_FACING_TESTS = tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py \
+	tests/test_reliability.py tests/test_sharded.py tests/test_bad_input.py tests/test_readme.py
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import lightning, torch; print('lightning', lightning.__version__, 'torch', torch.__version__)"
-	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "not slow" $(FRAMEWORK_FREE_TESTS) tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py $(RELIABILITY_TESTS) $(SHARDED_LOWEST_TESTS)
+	$(VENV_LOWEST)/bin/python -m pytest $(PYTEST_FLAGS) $(FRAMEWORK_FREE_TESTS) $(LIGHTNING_FACING_TESTS)
 
 ## make typecheck: mypy over the package (strict defs, settings in setup.cfg; mypy pinned in the typecheck extra)
 typecheck: $(VENV)/.installed
