@@ -882,7 +882,7 @@ class CustomDDPSharded(CustomDDP):
         # Imported once the default group exists, their functions whose default argument is `dist.group.WORLD`
         # (fairscale OSS's broadcast_object, ShardedGradScaler.__init__) would hold that group for the life of
         # the process, past CustomDDP's exit handler, and its Gloo threads into interpreter finalisation (see
-        # strategy._destroy_process_group).
+        # _exit.destroy_process_group).
         _fairscale()
         if _scales_gradients(self.precision_plugin):
             importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")

@@ -1,24 +1,22 @@
 """``CustomDDP``: Lightning's DDPStrategy with DDPPlugin-style hooks and sampler dealing for custom samplers.
 
 Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, the gradient work of a
-re-wrap (averaging held gradients, clearing a comm hook's per-bucket state) in ``_gradients``, and every private
-Lightning access in ``_compat``.
+re-wrap (averaging held gradients, clearing a comm hook's per-bucket state) in ``_gradients``, destroying the
+process group at exit in ``_exit``, and every private Lightning access in ``_compat``.
 """
 from __future__ import annotations
 
-import atexit
 import collections.abc
 import difflib
 import gc
 import inspect
 import logging
-import multiprocessing
 import os
 import weakref
 import zlib
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from functools import cache, partial
+from functools import partial
 from operator import attrgetter
 from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Tuple, Union
 
@@ -37,7 +35,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
-from lightning_ddp_ext import _compat
+from lightning_ddp_ext import _compat, _exit
 from lightning_ddp_ext._gradients import average_held_gradients, reaches_a_parameter, restart_per_bucket_state
 from lightning_ddp_ext.consistency import (
     NOT_DEALT,
@@ -143,52 +141,6 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _destroy_process_group() -> None:
-    """Destroy the default process group before the interpreter shuts down.
-
-    Lightning does this for NCCL only. A Gloo group still alive at interpreter finalisation keeps its worker
-    threads, and a worker that then takes the GIL (it does to free the tensors of a collective) aborts the
-    process: SIGABRT, "terminate called without an active exception". A group lives on while anything holds
-    it: in a spawned rank, multiprocessing keeps the trainer until finalisation, so that is dropped first
-    (:func:`_release_finished_target`); under popen the script keeps it, so every strategy set up in this
-    process lets go of the groups its model wrapper, optimizers and gradient scaler hold
-    (:meth:`CustomDDP._release_process_groups`). Garbage is collected next, freeing what held the group: a DDP
-    wrapper freed after its group was destroyed can hang in its destructor (seen with plain torch,
-    docs/examples/plain_torch.py).
-    """
-    if dist.is_available() and dist.is_initialized():
-        _release_finished_target()
-        _release_strategies_groups()
-        gc.collect()
-        dist.destroy_process_group()
-
-
-@cache  # once per process
-def _destroy_process_group_at_exit() -> None:
-    """Have :func:`_destroy_process_group` run at exit, once per process: registered by ``setup_distributed``
-    whenever the strategy's ``init_ddp_connection`` made the default group, the default one or an override."""
-    atexit.register(_destroy_process_group)
-
-
-def _release_strategies_groups() -> None:
-    """Let every strategy set up in this process release its process groups (a function of its own, so that no
-    local variable keeps the last strategy alive through the garbage collection that follows)."""
-    for strategy in list(_STRATEGIES_SET_UP):
-        strategy._release_process_groups()
-
-
-def _release_finished_target() -> None:
-    """In a process started by multiprocessing, drop its finished target and arguments.
-
-    ``multiprocessing`` keeps the process object (``current_process()``), and with it the arguments of its
-    target (for Lightning's spawn launcher: the trainer), until the interpreter finalises. Exit handlers run
-    after the target has returned, so nothing needs them any more. (Only spawned processes run exit handlers:
-    forked ones end with ``os._exit``.)
-    """
-    if multiprocessing.parent_process() is not None:
-        vars(multiprocessing.current_process()).update(_target=None, _args=(), _kwargs={})
-
-
 def _dealt_source(loader: DataLoader) -> tuple[str, int]:
     """``(name, length)`` of what a sharded loader deals out: the user's sampler, or the dataset."""
     wrapper = _wrapper_of(loader)
@@ -212,9 +164,6 @@ _NOTHING_PLANNED: _Plan = (None, None, None)
 #: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
 #: Module-level, not on the strategy, which spawn pickles.
 _TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
-#: The strategies whose ``setup_distributed`` ran in this process: at exit each lets go of the process groups it
-#: holds (see `_destroy_process_group`).
-_STRATEGIES_SET_UP: "weakref.WeakSet[CustomDDP]" = weakref.WeakSet()
 #: Wrappers holding a resume skip that no training iteration has taken yet, with the id of the strategy that set
 #: it (see `_prepare_first_epoch`).
 _PENDING_SKIPS: "weakref.WeakKeyDictionary[_Wrapper, int]" = weakref.WeakKeyDictionary()
@@ -430,8 +379,8 @@ class CustomDDP(DDPStrategy):
                 " world_size)) before it returns."
             )
         if not joined_before:  # also by an override of ours
-            _destroy_process_group_at_exit()
-        _STRATEGIES_SET_UP.add(self)
+            _exit.destroy_process_group_at_exit()
+        _exit.release_at_exit(self)
 
     def _release_process_groups(self) -> None:
         """At exit: let go of the process groups this strategy holds, so that the exit handler frees them.
