@@ -8,9 +8,14 @@ from __future__ import annotations
 import atexit
 import gc
 import multiprocessing
+import os
+import threading
+import time
 import weakref
 from functools import cache
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from typing import Protocol
 
@@ -25,6 +30,12 @@ class HoldsProcessGroups(Protocol):
 #: The strategies whose ``setup_distributed`` ran in this process: at exit each lets go of the process groups it
 #: holds (see `destroy_process_group`).
 _STRATEGIES_SET_UP: "weakref.WeakSet[HoldsProcessGroups]" = weakref.WeakSet()
+#: Before torch 2.8 a process group's destructor runs holding the GIL (pytorch/pytorch#154976 releases it), and
+#: Gloo's waits for its worker threads (see `let_threads_settle`).
+DESTRUCTOR_HOLDS_THE_GIL = torch.__version__ < "2.8"
+#: How long `let_threads_settle` waits at most, and how often it looks.
+SETTLE_TIMEOUT_S = 2.0
+SETTLE_POLL_S = 0.005
 
 
 def release_at_exit(strategy: HoldsProcessGroups) -> None:
@@ -44,12 +55,15 @@ def destroy_process_group() -> None:
     process lets go of the groups its model wrapper, optimizers and gradient scaler hold
     (``CustomDDP._release_process_groups``; the strategy registered itself with :func:`release_at_exit`).
     Garbage is collected next, freeing what held the group: a DDP wrapper freed after its group was destroyed
-    can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py).
+    can hang in its destructor (seen with plain torch, docs/examples/plain_torch.py). Before torch 2.8 the
+    other threads are let settle first (:func:`let_threads_settle`).
     """
     if dist.is_available() and dist.is_initialized():
         _release_finished_target()
         _release_strategies_groups()
         gc.collect()
+        if DESTRUCTOR_HOLDS_THE_GIL:
+            let_threads_settle()
         dist.destroy_process_group()
 
 
@@ -77,3 +91,38 @@ def _release_finished_target() -> None:
     """
     if multiprocessing.parent_process() is not None:
         vars(multiprocessing.current_process()).update(_target=None, _args=(), _kwargs={})
+
+
+def let_threads_settle(timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Sleep, the GIL released, until no other thread of this process is running or waiting to run; True if that
+    happened within ``timeout_s``.
+
+    Before torch 2.8 destroying a Gloo group holds the GIL while its destructor waits for the group's worker
+    threads, and a worker that has just finished a collective takes the group's lock and then waits for the GIL
+    to free that collective's tensors: neither moves again. On a loaded machine the worker can still be waiting
+    to be scheduled when the main thread gets there (a rank hung at exit this way on torch 2.6, in CI). Asleep
+    here, the main thread holds no GIL, so such a worker runs and finishes first. Threads are read from
+    ``/proc/self/task`` (Linux): two looks in a row must find every other thread asleep. Elsewhere it sleeps
+    ``SETTLE_POLL_S`` times ten and returns False. A thread that stays busy costs the whole ``timeout_s``.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        time.sleep(10 * SETTLE_POLL_S)
+        return False
+    own = str(threading.get_native_id())
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)
+        quiet = quiet + 1 if not any(_is_running(tasks / task) for task in os.listdir(tasks) if task != own) else 0
+        if quiet == 2:
+            return True
+    return False
+
+
+def _is_running(task: Path) -> bool:
+    """Whether the thread ``task`` (a ``/proc/<pid>/task/<tid>`` directory) is running or runnable."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:  # it ended meanwhile
+        return False
+    return stat[stat.rindex(")") + 2] == "R"  # the state follows the name, which may hold spaces and parentheses
