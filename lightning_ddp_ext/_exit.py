@@ -14,10 +14,10 @@ import time
 import weakref
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from typing import Protocol
 
 
 class HoldsProcessGroups(Protocol):
