@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_ddp_ext import _exit
 from lightning_ddp_ext.sync import sync_dicts
 
 TARGET_SPEEDUP = 3.0
@@ -115,8 +116,9 @@ def worker(rank: int, world_size: int, workdir: str, rows: int, dim: int, repeat
         (Path(workdir) / f"error_{rank}.txt").write_text(traceback.format_exc())
         raise SystemExit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The package's exit clean-up: on torch < 2.8 it lets Gloo's worker threads finish before the group's
+        # destructor takes the GIL, which could otherwise hang this rank right after its last collective.
+        _exit.destroy_process_group()
 
 
 def run(rows: int, dim: int, repeats: int, world_size: int, timeout: float) -> Dict[str, List[float]]:
