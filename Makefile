@@ -47,7 +47,7 @@ test: $(VENV)/.installed $(VENV_TOOLS)/.installed
 
 ## make test-lowest: every test but those of the demo, the docs, the benchmark scripts and the GPU, on the lowest supported Lightning and torch: the framework-free ones (samplers, dataloader patching, sync, the epoch store) and the Lightning-facing ones (strategy, evaluation, fine-tuning, resumes, exit clean-up, failure reports, bad input, the sharded variant, the README's snippets)
 FRAMEWORK_FREE_TESTS = tests/test_samplers.py tests/test_dataloader.py tests/test_sync.py tests/test_store.py \
-	tests/test_distributed_helpers.py tests/test_exit.py
+	tests/test_distributed_helpers.py tests/test_exit.py tests/test_loader_shares.py
 # Lightning 2.2 (and 2.3) makes a CUDA GradScaler for "16-mixed" on CPU, which disables itself: the sharded strategy
 # replaces it; and its BaseFinetuning restores parameter groups on resume, which the sharded optimizer must follow.
 LIGHTNING_FACING_TESTS = tests/test_strategy.py tests/test_compat.py tests/test_evaluation.py tests/test_finetuning.py \

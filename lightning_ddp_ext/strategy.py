@@ -1,8 +1,9 @@
 """``CustomDDP``: Lightning's DDPStrategy with DDPPlugin-style hooks and sampler dealing for custom samplers.
 
-Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, the gradient work of a
-re-wrap (averaging held gradients, clearing a comm hook's per-bucket state) in ``_gradients``, destroying the
-process group at exit in ``_exit``, and every private Lightning access in ``_compat``.
+Lightning-facing glue only; the sampler work lives in ``samplers``/``dataloader``, reading what a dealt loader
+holds (its wrapper, share sizes, what evaluation yielded) in ``_loader_shares``, the gradient work of a re-wrap
+(averaging held gradients, clearing a comm hook's per-bucket state) in ``_gradients``, destroying the process
+group at exit in ``_exit``, and every private Lightning access in ``_compat``.
 """
 from __future__ import annotations
 
@@ -31,12 +32,28 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat, _exit
 from lightning_ddp_ext._gradients import average_held_gradients, reaches_a_parameter, restart_per_bucket_state
+from lightning_ddp_ext._loader_shares import (
+    WRAPPER_TYPES,
+    Wrapper,
+    dealt_source,
+    distributed_sampler_share,
+    epoch_sampler,
+    fewest_exact_batches,
+    index_sampler,
+    is_empty,
+    items_in,
+    record_yielded_in_evaluation,
+    recorded_indices,
+    samples_in_first_batches,
+    whole_epoch_digest,
+    wrapper_of,
+)
 from lightning_ddp_ext.consistency import (
     NOT_DEALT,
     NOT_DEALT_SOURCE,
@@ -44,12 +61,10 @@ from lightning_ddp_ext.consistency import (
     report_failure,
     verify_same_sequence,
 )
-from lightning_ddp_ext.dataloader import _is_plain
 from lightning_ddp_ext.dataloader import _patch as _patch_dataloader
 from lightning_ddp_ext.dataloader import uses_default_sampler
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
-    DistributedSamplerWrapper,
     _check_flag,
     _check_seed,
     _check_shuffle_window,
@@ -61,8 +76,6 @@ __all__ = ["CustomDDP", "process_group_backend_for"]
 
 log = logging.getLogger(__name__)
 
-_Wrapper = Union[DistributedBatchSamplerWrapper, DistributedSamplerWrapper]
-_WRAPPER_TYPES = (DistributedBatchSamplerWrapper, DistributedSamplerWrapper)
 #: Keys a ``distributed_sampler_kwargs`` override may return (``drop_last`` is read as ``pad=not drop_last``).
 _SAMPLER_KWARGS = ("num_replicas", "rank", "shuffle", "shuffle_window", "seed", "pad", "drop_last")
 #: The keys of those that Lightning's predict sharding can pass on to torch's samplers.
@@ -141,14 +154,6 @@ def process_group_backend_for(device: torch.device, requested: Optional[str] = N
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _dealt_source(loader: DataLoader) -> tuple[str, int]:
-    """``(name, length)`` of what a sharded loader deals out: the user's sampler, or the dataset."""
-    wrapper = _wrapper_of(loader)
-    if wrapper is not None:
-        return type(wrapper.source).__name__, len(wrapper.source)  # type: ignore[arg-type]
-    return type(loader.dataset).__name__, len(loader.dataset)  # type: ignore[arg-type]
-
-
 def _is_mean(reduce_op: Optional[Any]) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() in ("mean", "avg")
@@ -161,87 +166,15 @@ def _is_mean(reduce_op: Optional[Any]) -> bool:
 _Plan = tuple[Optional[int], Optional[int], Optional[tuple[int, int]]]
 _NOTHING_PLANNED: _Plan = (None, None, None)
 
-#: Wrappers of training loaders in this process: they never record what they yield (see process_dataloader).
-#: Module-level, not on the strategy, which spawn pickles.
-_TRAINING_WRAPPERS: "weakref.WeakSet[_Wrapper]" = weakref.WeakSet()
 #: Wrappers holding a resume skip that no training iteration has taken yet, with the id of the strategy that set
 #: it (see `_prepare_first_epoch`).
-_PENDING_SKIPS: "weakref.WeakKeyDictionary[_Wrapper, int]" = weakref.WeakKeyDictionary()
-
-
-def _record_yielded_in_evaluation(wrapper: Optional[_Wrapper], training: bool) -> None:
-    """Have ``wrapper`` keep what it yields in evaluation, for ``evaluated_indices()`` (evaluation shares are small, a
-    training epoch may not be). A loader its user dealt may serve both: training wins, whichever was set up first."""
-    if wrapper is None:
-        return
-    if training:
-        _TRAINING_WRAPPERS.add(wrapper)
-    wrapper.record_yielded = not training and wrapper not in _TRAINING_WRAPPERS
-
-
-def _whole_epoch_digest(wrapper: _Wrapper) -> Optional[SequenceDigest]:
-    """``wrapper``'s last whole-epoch digest, when every rank takes it. With unequal shares (``eval_mode="exact"``)
-    a rank without an item in the last round never asks for that round, so only some ranks would have it."""
-    return wrapper.epoch_digest if wrapper.even_shares else None
-
-
-def _is_empty(loader: object) -> bool:
-    """Whether ``loader`` is sized and empty (a ``val_dataloader`` returning ``[]``)."""
-    try:
-        return len(loader) == 0  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - unsized, or a __len__ that fails: not known to be empty
-        return False
-
-
-def _index_sampler(loader: object) -> object:
-    """The sampler ``loader`` draws its items from: the one under torch's plain ``BatchSampler`` (or torchdata's
-    copy), whether made from ``sampler=`` and ``batch_size=`` or given as ``batch_sampler=``, else
-    ``loader.sampler``."""
-    batching = getattr(loader, "batch_sampler", None)
-    plain = batching is not None and _is_plain(batching, BatchSampler)
-    return batching.sampler if plain else getattr(loader, "sampler", None)  # type: ignore[union-attr]
+_PENDING_SKIPS: "weakref.WeakKeyDictionary[Wrapper, int]" = weakref.WeakKeyDictionary()
 
 
 def _sized_len_or_inf(loader: DataLoader) -> float:
     """``len(loader)``, or infinity for one without a length (over an IterableDataset), as Lightning counts it."""
     length = sized_len(loader)
     return float("inf") if length is None else float(length)
-
-
-def _wrapper_of(loader: object) -> Optional[_Wrapper]:
-    """Our wrapper that deals ``loader`` out: its batch sampler, or the sampler its batches are drawn from."""
-    for candidate in (getattr(loader, "batch_sampler", None), _index_sampler(loader)):
-        if isinstance(candidate, _WRAPPER_TYPES):
-            return candidate
-    return None
-
-
-def _epoch_sampler(loader: DataLoader) -> Optional[Union[_Wrapper, DistributedSampler]]:
-    """The sampler of ``loader`` that takes the epoch from ``CustomDDP`` (ours, or torch's DistributedSampler)."""
-    wrapper = _wrapper_of(loader)
-    sampler = wrapper if wrapper is not None else _index_sampler(loader)
-    return sampler if isinstance(sampler, (*_WRAPPER_TYPES, DistributedSampler)) else None
-
-
-def _items_per_batch(loader: DataLoader, sampler: object) -> int:
-    """How many of ``sampler``'s items one of ``loader``'s batches takes: one when it is the batch sampler or
-    automatic batching is off, else the batch size of the plain ``BatchSampler`` over it."""
-    batching = loader.batch_sampler
-    return 1 if batching is None or batching is sampler else int(getattr(batching, "batch_size"))
-
-
-def _fewest_exact_batches(loader: DataLoader, wrapper: _Wrapper) -> int:
-    """How many batches the rank with the smallest share of an uneven (``even_shares=False``) deal gets.
-
-    Rank ``W - 1`` takes positions ``W - 1, 2W - 1, ...``: ``len // W`` items, the fewest. Every rank computes
-    the same number from the dealt length, without communicating.
-    """
-    items = len(wrapper.source) // wrapper.num_replicas  # type: ignore[arg-type]
-    batching = loader.batch_sampler
-    if isinstance(wrapper, DistributedBatchSamplerWrapper) or batching is None:
-        return items  # whole batches dealt, or automatic batching off: one item per step
-    batch_size: int = getattr(batching, "batch_size")
-    return items // batch_size if getattr(batching, "drop_last") else -(-items // batch_size)
 
 
 def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Tuple[str, Union[int, float]]:
@@ -252,15 +185,10 @@ def _evaluation_limit(trainer: Trainer, stage: Optional[RunningStage]) -> Tuple[
     return setting, limit
 
 
-def _drop_skip(wrapper: _Wrapper) -> None:
+def _drop_skip(wrapper: Wrapper) -> None:
     """Drop a resume skip pending on ``wrapper``, if any."""
     wrapper.resume_within_epoch(0, None)
     _PENDING_SKIPS.pop(wrapper, None)
-
-
-def _items_in(batches: int, loader: DataLoader, wrapper: _Wrapper) -> int:
-    """The wrapper's items in ``loader``'s first ``batches`` batches."""
-    return min(len(wrapper), batches * _items_per_batch(loader, wrapper))
 
 
 class CustomDDP(DDPStrategy):
@@ -343,7 +271,7 @@ class CustomDDP(DDPStrategy):
         self._evaluating = False  # between on_validation_start/on_test_start and the matching end hook
         self._counts_at_start = _compat.NO_COUNTS  # the evaluation loop's counts when the run started
         #: Per stage kind, the wrappers compared at the last check (see `_verify`).
-        self._watched: Dict[str, List[_Wrapper]] = {}
+        self._watched: Dict[str, List[Wrapper]] = {}
         self._verified_train_epoch: Optional[int] = None
         self._warned_grown = False  # see _warn_training_loaders_grown
         #: Whether the checkpoint a fit resumes has restored the loops, and whether a training loader was set up
@@ -354,7 +282,7 @@ class CustomDDP(DDPStrategy):
         self._prepared_with: Dict[int, _Plan] = {}
         # The epoch _prepare_first_epoch gave a user's sampler in this fit, by id(sampler): (the sampler, epoch,
         # the wrapper that gave it). Dropped when the fit ends.
-        self._epochs_given: Dict[int, Tuple[object, int, _Wrapper]] = {}
+        self._epochs_given: Dict[int, Tuple[object, int, Wrapper]] = {}
         self._deals_current_epoch = False  # see _prepare_first_epoch
         # (epoch, batches trained) of an epoch a resumed fit leaves unfinished (see `_warn_of_unfinished_epoch`).
         self._unfinished_epoch: Optional[Tuple[int, int]] = None
@@ -859,13 +787,13 @@ class CustomDDP(DDPStrategy):
             return dataloader  # Lightning shards predict loaders itself (see `setup`)
         training = stage == RunningStage.TRAINING
         if not self._replace_samplers:  # used as they are; one its user dealt with our wrapper still records
-            _record_yielded_in_evaluation(_wrapper_of(dataloader), training)
+            record_yielded_in_evaluation(wrapper_of(dataloader), training)
             return dataloader
         try:
             overfitting = training and getattr(trainer, "overfit_batches", 0) > 0  # set by Lightning's debugging flags
             patched = self._patch(dataloader, training, overfitting)
             if patched is not None:
-                source, length = _dealt_source(patched)
+                source, length = dealt_source(patched)
             else:
                 source, length = NOT_DEALT_SOURCE, NOT_DEALT  # whatever its class: it only says "not dealt"
         except Exception as error:
@@ -876,13 +804,13 @@ class CustomDDP(DDPStrategy):
             # Every rank must deal the same number of items, or the ranks step different numbers of times. Every
             # loader takes part, dealt or not, so that no rank is left waiting for one that deals no loader here.
             verify_same_sequence(SequenceDigest(source, -1, length, 0, 0))
-        if not isinstance(dataloader, DataLoader) and not _is_empty(dataloader):  # nothing to shard in []
+        if not isinstance(dataloader, DataLoader) and not is_empty(dataloader):  # nothing to shard in []
             self._warn_unsharded(dataloader, stage)
         # Not dealt here (patched is None): its user's, possibly with our wrapper, or not a DataLoader. Prepared
         # and checked as if we had dealt it.
         loader = patched if patched is not None else dataloader
-        wrapper = _wrapper_of(loader)
-        _record_yielded_in_evaluation(wrapper, training)
+        wrapper = wrapper_of(loader)
+        record_yielded_in_evaluation(wrapper, training)
         if patched is dataloader or not isinstance(loader, DataLoader):  # an empty split, or not a DataLoader
             return loader
         if wrapper is not None and not training and not wrapper.even_shares:
@@ -917,7 +845,7 @@ class CustomDDP(DDPStrategy):
         patched = _patch_dataloader(dataloader, world, rank, options, keep_class=False, owner=type(self).__name__)
         if patched is dataloader:
             return None
-        wrapper = _wrapper_of(patched)
+        wrapper = wrapper_of(patched)
         if overfitting and isinstance(wrapper, DistributedBatchSamplerWrapper):
             # the batches a single process overfits: its loop never calls the batch sampler's own set_epoch
             wrapper.forward_epoch_to_batch_sampler = False
@@ -935,7 +863,7 @@ class CustomDDP(DDPStrategy):
     def _refuse_rank_without_batches(
         self,
         loader: DataLoader,
-        wrapper: _Wrapper,
+        wrapper: Wrapper,
         stage: Optional[RunningStage],
         setting: str = "limit_val_batches",
         limit: Union[int, float] = 1.0,
@@ -950,7 +878,7 @@ class CustomDDP(DDPStrategy):
         pair with unrelated ones: a hang or a wrong result. A fraction that leaves it none makes Lightning raise
         there alone, while the others go on.
         """
-        fewest = _fewest_exact_batches(loader, wrapper)
+        fewest = fewest_exact_batches(loader, wrapper)
         who, fix = (f"{type(wrapper).__name__}(even_shares=False)", "even_shares=True") if user_dealt else (
             f"{type(self).__name__}(eval_mode='exact')", "eval_mode='pad'"
         )
@@ -984,7 +912,7 @@ class CustomDDP(DDPStrategy):
         the epoch (one of several in a ``CombinedLoader``) that ran out before the checkpoint either starts its
         pass again ("max_size_cycle") or yields nothing more ("max_size"), as it did in the interrupted run.
         """
-        sampler, wrapper = _epoch_sampler(loader), _wrapper_of(loader)
+        sampler, wrapper = epoch_sampler(loader), wrapper_of(loader)
         epoch, dealt, resume = plan = self._first_epoch_plan(loader, trainer)
         trains = _compat.fit_trains_an_epoch(trainer)
         self._unfinished_epoch = _compat.epoch_left_unfinished(trainer) if trains else None
@@ -996,7 +924,7 @@ class CustomDDP(DDPStrategy):
             wrapper._loop_epoch_to_deal = _compat.TrainingEpochToDeal(trainer)
         # A fit with nothing left to train (resumed at max_epochs) starts no epoch, so its loop sets none either.
         if sampler is not None and epoch is not None and trains:
-            if isinstance(sampler, _WRAPPER_TYPES):
+            if isinstance(sampler, WRAPPER_TYPES):
                 # The user's object may be at another epoch than a new wrapper: an earlier wrapper moved it on (a
                 # tuner's run of more than an epoch before the fit), and an iterator made before the loop's
                 # set_epoch (workers draw at once) would deal that epoch's order.
@@ -1029,8 +957,8 @@ class CustomDDP(DDPStrategy):
 
     def _first_epoch_plan(self, loader: DataLoader, trainer: Trainer) -> _Plan:
         """What :meth:`_prepare_first_epoch` sets for ``loader`` now (see ``_Plan``)."""
-        epoch = _compat.epoch_for_samplers(trainer) if _epoch_sampler(loader) is not None else None
-        wrapper = _wrapper_of(loader)
+        epoch = _compat.epoch_for_samplers(trainer) if epoch_sampler(loader) is not None else None
+        wrapper = wrapper_of(loader)
         if wrapper is None:
             return epoch, epoch, None
         resume = _compat.mid_epoch_resume(trainer)
@@ -1044,12 +972,12 @@ class CustomDDP(DDPStrategy):
             return epoch, dealt, None
         return epoch, dealt, resume
 
-    def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> None:
+    def _arm_skip(self, trainer: Trainer, loader: DataLoader, wrapper: Wrapper, epoch: int, done: int) -> None:
         """Make ``wrapper``'s next iteration of ``epoch`` ask :meth:`_resume_skip` what to skip."""
         wrapper.resume_within_epoch(epoch, partial(self._resume_skip, trainer, loader, wrapper, epoch, done))
         _PENDING_SKIPS[wrapper] = id(self)
 
-    def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: _Wrapper, epoch: int, done: int) -> int:
+    def _resume_skip(self, trainer: Trainer, loader: DataLoader, wrapper: Wrapper, epoch: int, done: int) -> int:
         """Items the first iteration read during training, of a fit resumed ``done`` batches into ``epoch``, skips;
         said on rank 0. A loader its user dealt may serve validation too, which reads first after a checkpoint
         written during validation: that iteration skips nothing, and the skip waits for one read in training.
@@ -1069,7 +997,7 @@ class CustomDDP(DDPStrategy):
                     " before the checkpoint (so Lightning's warning that the dataloader is not resumable does not"
                     " apply to it, if it yields the sequence it yielded before: its own state is not checkpointed)."
                 )
-            return _items_in(done, loader, wrapper)
+            return items_in(done, loader, wrapper)
         mode = _compat.training_loader_mode(trainer)
         said = (
             f"{name}: resuming mid-epoch {done} batches in, past the end of {source} ({batches} batches per epoch on"
@@ -1081,9 +1009,9 @@ class CustomDDP(DDPStrategy):
         # "max_size_cycle" (Lightning's default) restarts a loader each time it runs out.
         done %= max(1, batches)
         rank_zero_info(f"{said} it restarted when it ran out, so it skips the {done} batch(es) of its current pass.")
-        return _items_in(done, loader, wrapper)
+        return items_in(done, loader, wrapper)
 
-    def _done_on_this_world(self, wrapper: _Wrapper, epoch: int, done: int, old_world: int) -> int:
+    def _done_on_this_world(self, wrapper: Wrapper, epoch: int, done: int, old_world: int) -> int:
         """The batches of ``epoch`` each rank skips after a checkpoint that ``old_world`` ranks wrote ``done`` batches
         into it; a warning says what that costs. Those ranks trained the first ``done * old_world`` positions of the
         dealt sequence: the shares start again after them, rounded down to a whole round of this run's ranks."""
@@ -1133,12 +1061,12 @@ class CustomDDP(DDPStrategy):
         if trainer is None or not self._replace_samplers:
             return
         key = "train" if stage == RunningStage.TRAINING else "eval"
-        current = [w for w in map(_wrapper_of, _compat.current_loaders(trainer, stage)) if w is not None]
+        current = [w for w in map(wrapper_of, _compat.current_loaders(trainer, stage)) if w is not None]
         replaced = [w for w in self._watched.get(key, []) if not any(w is c for c in current)]
         self._watched[key] = current
         digests: List[Optional[SequenceDigest]] = []
-        digests.extend(digest for wrapper in current for digest in (wrapper.head_digest, _whole_epoch_digest(wrapper)))
-        digests.extend(map(_whole_epoch_digest, replaced))
+        digests.extend(digest for wrapper in current for digest in (wrapper.head_digest, whole_epoch_digest(wrapper)))
+        digests.extend(map(whole_epoch_digest, replaced))
         if digests:
             verify_same_sequence(*digests)
 
@@ -1173,7 +1101,7 @@ class CustomDDP(DDPStrategy):
         grown = next(
             (
                 (wrapper, int(length)) for loader, length, now, before in zip(dataloaders, lengths, counted, read)
-                if (wrapper := _wrapper_of(loader)) is not None and now > before
+                if (wrapper := wrapper_of(loader)) is not None and now > before
             ),
             None,
         )
@@ -1380,7 +1308,7 @@ class CustomDDP(DDPStrategy):
                 " earlier rounds are not kept. Use mode 'max_size' (a loader that ran out gives None) or 'sequential'."
             )
         loader = self._evaluation_loader(dataloader_idx)
-        wrapper = _wrapper_of(loader)
+        wrapper = wrapper_of(loader)
         if wrapper is not None:
             if not wrapper.record_yielded:
                 raise RuntimeError(
@@ -1388,15 +1316,10 @@ class CustomDDP(DDPStrategy):
                     " (a whole training epoch's share): give validation a loader of its own to use"
                     " evaluated_indices() or gather_in_order()."
                 )
-            real: List[Any] = wrapper.yielded[: wrapper.real_share_length()]
-            if isinstance(wrapper, DistributedBatchSamplerWrapper):
-                return [int(i) for batch in real for i in batch]
-            return [int(i) for i in real]
-        sampler = _index_sampler(loader)
-        if isinstance(sampler, DistributedSampler):  # deterministic: iterating it again gives the same share
-            indices = list(sampler)
-            dataset_length = len(sampler.dataset)  # type: ignore[arg-type]
-            return indices[: len(range(sampler.rank, dataset_length, sampler.num_replicas))]
+            return recorded_indices(wrapper)
+        sampler = index_sampler(loader)
+        if isinstance(sampler, DistributedSampler):
+            return distributed_sampler_share(sampler)
         raise RuntimeError(
             f"{type(self).__name__} did not shard this loader ({type(sampler).__name__}), so it cannot tell which"
             " samples this rank evaluated; track the indices yourself and use lightning_ddp_ext.sync.gather_in_order."
@@ -1445,14 +1368,7 @@ class CustomDDP(DDPStrategy):
         batches = None if trainer is None else _compat.evaluated_batches(trainer, dataloader_idx, self._counts_at_start)
         if batches is None:
             return None
-        loader = self._evaluation_loader(dataloader_idx)
-        wrapper = _wrapper_of(loader)
-        if isinstance(wrapper, DistributedBatchSamplerWrapper):
-            return sum(map(len, wrapper.yielded[:batches]))
-        if wrapper is not None:
-            return min(batches * _items_per_batch(loader, wrapper), len(wrapper.yielded))
-        sampler = _index_sampler(loader)
-        return min(batches * _items_per_batch(loader, sampler), len(sampler))  # type: ignore[arg-type]
+        return samples_in_first_batches(self._evaluation_loader(dataloader_idx), batches)
 
     def _refuse_collective_inside_exact_evaluation(self, name: str) -> None:
         trainer = self._attached_trainer

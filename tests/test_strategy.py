@@ -1143,13 +1143,13 @@ def test_a_wrapper_under_torchdata_s_batch_sampler_is_found() -> None:
     """A StatefulDataLoader batches with torchdata's copy of BatchSampler: the user's wrapper under it gets the
     early set_epoch, the resume skip and evaluated_indices() as under torch's."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from lightning_ddp_ext._loader_shares import wrapper_of
     from lightning_ddp_ext.samplers import DistributedSamplerWrapper
-    from lightning_ddp_ext.strategy import _wrapper_of
 
     wrapper = DistributedSamplerWrapper(range(8), num_replicas=2, rank=0)
     batches = stateful.sampler.BatchSampler(wrapper, batch_size=2, drop_last=False)
-    assert _wrapper_of(stateful.StatefulDataLoader(range(8), batch_sampler=batches)) is wrapper
-    assert _wrapper_of(stateful.StatefulDataLoader(range(8), sampler=wrapper, batch_size=2)) is wrapper
+    assert wrapper_of(stateful.StatefulDataLoader(range(8), batch_sampler=batches)) is wrapper
+    assert wrapper_of(stateful.StatefulDataLoader(range(8), sampler=wrapper, batch_size=2)) is wrapper
 
 
 @pytest.mark.parametrize(
