@@ -27,16 +27,15 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_ddp_ext.samplers import (
-    DistributedBatchSamplerWrapper,
-    DistributedSamplerWrapper,
-    _check_flag,
-    _check_seed,
-    _check_shuffle_window,
-    _fewer_items_than_ranks,
-    _nothing_to_deal,
-    _resolve_world,
+from lightning_ddp_ext._checks import (
+    check_flag,
+    check_seed,
+    check_shuffle_window,
+    fewer_items_than_ranks,
+    nothing_to_deal,
+    resolve_world,
 )
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
 __all__ = ["patch_dataloader_to_ddp", "is_sharded", "WRAPPER_OPTIONS"]
 
@@ -156,10 +155,10 @@ def _check_options(options: Dict[str, Any]) -> None:
     DistributedSampler would take ``shuffle="no"`` as true, and a float seed only fails at the first epoch)."""
     for flag in ("pad", "even_shares") + (("shuffle",) if options.get("shuffle") is not None else ()):
         if flag in options:
-            _check_flag(options[flag], flag, _OWNER)
+            check_flag(options[flag], flag, _OWNER)
     if "seed" in options:
-        _check_seed(options["seed"], _OWNER)
-    _check_shuffle_window(options.get("shuffle_window"), _OWNER)
+        check_seed(options["seed"], _OWNER)
+    check_shuffle_window(options.get("shuffle_window"), _OWNER)
 
 
 def _plainly_batched_sampler(loader: DataLoader) -> Optional[Sampler[Any]]:
@@ -194,13 +193,13 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
     world, pad = wrapper_kwargs["num_replicas"], wrapper_kwargs.get("pad", True)
     size = len(dataset)
     if size == 0:
-        raise _nothing_to_deal(type(dataset).__name__, world)
+        raise nothing_to_deal(type(dataset).__name__, world)
     shuffle = wrapper_kwargs.get("shuffle")
     shuffle = _is_random_permutation(sampler) if shuffle is None else bool(shuffle)
     if wrapper_kwargs.get("shuffle_window") is not None or not wrapper_kwargs.get("even_shares", True):
         return DistributedSamplerWrapper(SequentialSampler(dataset), **dict(wrapper_kwargs, shuffle=shuffle))
     if not pad and size < world:
-        raise _fewer_items_than_ranks(f"{type(dataset).__name__} has {size} sample(s)", world)
+        raise fewer_items_than_ranks(f"{type(dataset).__name__} has {size} sample(s)", world)
     return DistributedSampler(
         dataset,
         num_replicas=world,
@@ -318,7 +317,7 @@ def _patch(
     # Explicit values are checked before any early return: a wrong rank must not pass just because the
     # loader needed no sharding.
     given = num_replicas is not None or rank is not None
-    resolved = _resolve_world(num_replicas, rank, _OWNER) if given else None
+    resolved = resolve_world(num_replicas, rank, _OWNER) if given else None
     if isinstance(loader.dataset, IterableDataset):
         unchanged = "the loader is returned unchanged" if owner == _OWNER else "every rank iterates the loader whole"
         _warn_once(
@@ -345,7 +344,7 @@ def _patch(
                 " run's num_replicas and rank."
             )
         return loader
-    world, own_rank = resolved or _resolve_world(None, None, _OWNER)
+    world, own_rank = resolved or resolve_world(None, None, _OWNER)
     fork_risk = _fork_deadlock_warning(loader)
     if fork_risk is not None and world > 1:
         _warn_once(f"{owner}: {fork_risk}")

@@ -18,7 +18,6 @@ No Lightning import here: the wrappers work with plain ``torch.distributed``.
 """
 from __future__ import annotations
 
-import operator
 import sys
 import warnings
 import weakref
@@ -30,10 +29,18 @@ from typing import (
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lightning_ddp_ext import _attributes, _store
+from lightning_ddp_ext._checks import (
+    check_flag,
+    check_seed,
+    check_shuffle_window,
+    fewer_items_than_ranks,
+    integer_or_none,
+    nothing_to_deal,
+    resolve_world,
+)
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
@@ -65,9 +72,6 @@ _PLAN_GROWTH = 8
 _PYTHON_PLAN_POSITIONS = 256
 # Positions per window at most (shuffle_window * num_replicas): the permutations draw 32-bit positions.
 _MAX_WINDOW = 1 << 31
-# Seeds: 64-bit signed, so that seed + epoch, which seeds torch's generators here and in DistributedSampler, never
-# overflows what torch.Generator.manual_seed takes (up to 2**64 - 1).
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 # The epoch a wrapper last forwarded to each user sampler, by id while the sampler lives (weakly; one that takes
 # no weak reference is not remembered): a new wrapper around a sampler that an earlier wrapper moved on (a
@@ -99,80 +103,6 @@ class LengthMismatchError(RuntimeError):
     """The user's sampler yielded a different number of items than its ``len()`` announced."""
 
 
-def _resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str) -> tuple[int, int]:
-    if num_replicas is None or rank is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"{owner} needs num_replicas and rank: pass them explicitly, or initialise the default process"
-                " group (torch.distributed.init_process_group) before creating it."
-            )
-        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
-        rank = dist.get_rank() if rank is None else rank
-    world, own_rank = _integer_or_none(num_replicas), _integer_or_none(rank)
-    if world is None or world < 1:
-        raise ValueError(f"{owner}: num_replicas must be an integer >= 1, got {num_replicas!r}.")
-    if own_rank is None or not 0 <= own_rank < world:
-        raise ValueError(f"{owner}: rank must be an integer in [0, {world - 1}], got {rank!r}.")
-    return world, own_rank
-
-
-def _integer_or_none(value: Any) -> Optional[int]:
-    """``value`` as an int if it is an integer (a numpy or torch integer too, not a bool of any kind), else None."""
-    if _store._is_bool(value):  # operator.index(torch.tensor(True)) is 1
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _check_shuffle_window(shuffle_window: Optional[int], owner: str) -> Optional[int]:
-    """``shuffle_window`` as an int (a numpy or torch integer too) or None; a ValueError naming ``owner`` unless
-    it is None or an integer >= 1."""
-    if shuffle_window is None:
-        return None
-    window = _integer_or_none(shuffle_window)
-    if window is None or window < 1:
-        raise ValueError(f"{owner}: shuffle_window must be None or an integer >= 1, got {shuffle_window!r}.")
-    return window
-
-
-def _check_seed(seed: Any, owner: str) -> int:
-    """``seed`` as an int (a numpy or torch integer too); a ValueError naming ``owner`` for anything else, which
-    would only fail at the first epoch, in torch's words (it seeds a generator with ``seed + epoch``)."""
-    checked = _integer_or_none(seed)
-    if checked is None or not _SEED_MIN <= checked <= _SEED_MAX:
-        raise ValueError(
-            f"{owner}: seed must be an integer in [-2**63, 2**63 - 1], got {seed!r} (torch seeds a generator with"
-            " seed + epoch, which must stay below 2**64)."
-        )
-    return checked
-
-
-def _check_flag(value: Any, name: str, owner: str) -> bool:
-    """``value`` as a bool (a numpy bool too); a ValueError naming ``owner`` for anything else, so that a
-    string such as ``"no"`` is not taken as true."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{owner}: {name} must be True or False, got {value!r}.")
-    return bool(value)
-
-
-def _nothing_to_deal(name: str, world: int) -> ValueError:
-    """The error for an empty sampler or dataset ``name``, which would give each of ``world`` ranks nothing."""
-    return ValueError(
-        f"{name} is empty (len() == 0): there is nothing to deal out among {world} ranks. Check the dataset and"
-        " the sampler's arguments."
-    )
-
-
-def _fewer_items_than_ranks(what: str, world: int) -> ValueError:
-    """The error for ``pad=False`` with fewer items than ranks; ``what`` says what has how many items."""
-    return ValueError(
-        f"{what}, fewer than the {world} ranks, and pad=False drops the incomplete round: every rank would get"
-        " nothing. Use pad=True, fewer ranks, or more data."
-    )
-
-
 class _DealingWrapper(Sampler[T], Generic[T]):
     """Everything both wrappers share; subclasses only say whether items are batches or indices."""
 
@@ -201,12 +131,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 f"{owner} needs an iterable with __len__, got {type(source).__name__}, which has __len__ but"
                 " cannot be iterated. Give it an __iter__ that yields one epoch's items."
             )
-        shuffle_window = _check_shuffle_window(shuffle_window, owner)
-        shuffle, pad = _check_flag(shuffle, "shuffle", owner), _check_flag(pad, "pad", owner)
-        even_shares = _check_flag(even_shares, "even_shares", owner)
-        seed = _check_seed(seed, owner)
+        shuffle_window = check_shuffle_window(shuffle_window, owner)
+        shuffle, pad = check_flag(shuffle, "shuffle", owner), check_flag(pad, "pad", owner)
+        even_shares = check_flag(even_shares, "even_shares", owner)
+        seed = check_seed(seed, owner)
         self.source = source
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank, owner)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank, owner)
         if shuffle_window is not None and shuffle_window * self.num_replicas > _MAX_WINDOW:
             raise ValueError(
                 f"{owner}: shuffle_window={shuffle_window} makes windows of {shuffle_window * self.num_replicas}"
@@ -303,7 +233,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 " to take equal shares: make __len__ return how many items one epoch yields."
             ) from error
         if length < 1:
-            raise _nothing_to_deal(self._source_name, self.num_replicas)
+            raise nothing_to_deal(self._source_name, self.num_replicas)
         return length
 
     def _plan(self, length: int) -> int:
@@ -314,7 +244,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         if self.pad:
             return -(-length // world) * world
         if length < world:
-            raise _fewer_items_than_ranks(f"{self._source_name} yields {length} item(s) per epoch", world)
+            raise fewer_items_than_ranks(f"{self._source_name} yields {length} item(s) per epoch", world)
         return length // world * world
 
     def __len__(self) -> int:
@@ -423,7 +353,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     def _check_resume_count(self, done: Any) -> int:
         """``done`` as an int (a numpy or torch integer too), or an error saying what it must be."""
-        count = _integer_or_none(done)
+        count = integer_or_none(done)
         if count is None:
             raise TypeError(
                 f"done must be an int (the number of items this rank yielded before the checkpoint), got {done!r}"

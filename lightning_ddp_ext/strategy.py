@@ -37,6 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from lightning_ddp_ext import _compat, _exit
+from lightning_ddp_ext._checks import check_flag, check_seed, check_shuffle_window
 from lightning_ddp_ext._gradients import average_held_gradients, reaches_a_parameter, restart_per_bucket_state
 from lightning_ddp_ext._loader_shares import (
     WRAPPER_TYPES,
@@ -63,13 +64,7 @@ from lightning_ddp_ext.consistency import (
 )
 from lightning_ddp_ext.dataloader import _patch as _patch_dataloader
 from lightning_ddp_ext.dataloader import uses_default_sampler
-from lightning_ddp_ext.samplers import (
-    DistributedBatchSamplerWrapper,
-    _check_flag,
-    _check_seed,
-    _check_shuffle_window,
-    _epoch_forwarded_to,
-)
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, _epoch_forwarded_to
 from lightning_ddp_ext.sync import _PER_BATCH_HINT, _gather_in_order, _looks_per_batch, _not_samples_error
 
 __all__ = ["CustomDDP", "process_group_backend_for"]
@@ -251,15 +246,15 @@ class CustomDDP(DDPStrategy):
         if eval_mode not in ("pad", "exact"):
             raise ValueError(f"eval_mode must be 'pad' or 'exact', got {eval_mode!r}.")
         # here, not in each rank at loader set-up
-        shuffle_window = _check_shuffle_window(shuffle_window, type(self).__name__)
+        shuffle_window = check_shuffle_window(shuffle_window, type(self).__name__)
         if seed is not None:
-            _check_seed(seed, type(self).__name__)
+            check_seed(seed, type(self).__name__)
         _check_process_group_arguments(kwargs, type(self).__name__)
         super().__init__(**kwargs)
         if type(self).configure_ddp is CustomDDP.configure_ddp:  # an override may take keywords of its own
             _refuse_keywords_ddp_does_not_take(self.ddp_kwargs, type(self).__name__)
         self.eval_mode = eval_mode
-        flag = partial(_check_flag, owner=type(self).__name__)  # "no" is no False
+        flag = partial(check_flag, owner=type(self).__name__)  # "no" is no False
         self.shuffle_batches_between_ranks = flag(shuffle_batches_between_ranks, "shuffle_batches_between_ranks")
         self.shuffle_window = shuffle_window
         self.pad_to_world_size = flag(pad_to_world_size, "pad_to_world_size")

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_ddp_ext._checks import integer_or_none
 from lightning_ddp_ext._pickling import error_message
-from lightning_ddp_ext.samplers import _integer_or_none
 
 __all__ = ["sync_dicts", "gather_in_order"]
 
@@ -164,7 +164,7 @@ def _checked_dataset_size(dataset_size: Optional[int]) -> Optional[int]:
     """``dataset_size`` as an int (None stays None), or the error saying what to pass."""
     if dataset_size is None:
         return None
-    size = _integer_or_none(dataset_size)
+    size = integer_or_none(dataset_size)
     if size is None:
         raise TypeError(
             f"gather_in_order: dataset_size must be an int (len(dataset)) or None, got {type(dataset_size).__name__}"
@@ -184,7 +184,7 @@ def _ranks_to_gather(world_size: Optional[int], group: Optional[Any]) -> Tuple[i
     """
     initialized = dist.is_available() and dist.is_initialized()
     ranks = 1 if world_size == 1 or not initialized else max(dist.get_world_size(group), 0)
-    if world_size is not None and _integer_or_none(world_size) is None:
+    if world_size is not None and integer_or_none(world_size) is None:
         kind = type(world_size).__name__
         return max(ranks, 1), TypeError(f"world_size must be an int (the number of ranks) or None, got {kind}")
     if world_size is not None and world_size < 1:

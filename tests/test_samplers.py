@@ -738,7 +738,7 @@ def test_sampler_modules_import_without_lightning() -> None:
         "sys.meta_path.insert(0, Block())\n"
         "import lightning_ddp_ext.samplers, lightning_ddp_ext.dataloader, lightning_ddp_ext.consistency\n"
         "import lightning_ddp_ext.sync, lightning_ddp_ext._gradients, lightning_ddp_ext._exit\n"
-        "import lightning_ddp_ext._loader_shares\n"
+        "import lightning_ddp_ext._loader_shares, lightning_ddp_ext._checks\n"
         "from lightning_ddp_ext import patch_dataloader_to_ddp, DistributedBatchSamplerWrapper\n"
         "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)\n"
         "exec('from lightning_ddp_ext import *')  # __all__ lists only what imports without Lightning\n"
