@@ -520,7 +520,7 @@ static PyTypeObject StoreType = {
  * first .. end - 1, each of `window` positions, in C: read a window, keep this rank's items of it, and once
  * the window was read whole yield them (a window the iterator does not finish yields nothing, so every rank
  * yields the same number of items). With a seed, window w is permuted by a Fisher-Yates shuffle whose draws
- * are a counter-based hash of seed + w * window + i (see window_permutation; samplers._window_permutations
+ * are a counter-based hash of seed + w * window + i (see window_permutation; _windows.window_permutations
  * computes the same in numpy), and this rank yields the items at positions rank, rank + world, ... of that
  * permutation: the windowed shuffle, drawn at a few nanoseconds per position with nothing planned in
  * Python. With seed None the windows are not permuted: windows of one round deal the unshuffled sequence.
@@ -805,7 +805,7 @@ static PyTypeObject WindowDealerType = {
 
 /* window_permutations(seed, first, count, size, stride, out): write the permutations of windows first to
  * first + count - 1 (each of `size` positions, counters `stride` apart) into `out`, an int64 buffer of
- * count * size items, one row per window: samplers._window_permutations, without a Python step per swap. */
+ * count * size items, one row per window: _windows.window_permutations, without a Python step per swap. */
 static PyObject *
 compact_window_permutations(PyObject *module, PyObject *args)
 {

@@ -29,7 +29,7 @@ from typing_extensions import TypeGuard, override
 
 from lightning_ddp_ext import _compat
 from lightning_ddp_ext.dataloader import _MISSING, _same_value
-from lightning_ddp_ext.samplers import _splitmix64
+from lightning_ddp_ext._windows import splitmix64
 from lightning_ddp_ext.strategy import CustomDDP
 
 if TYPE_CHECKING:
@@ -588,7 +588,7 @@ def _sharded_data_parallel_class() -> type:
 def _parameter_weights(count: int) -> torch.Tensor:
     """A pseudo-random weight below 2**40 per parameter index, the same on every rank: sums over different sets
     of indices differ but by chance (about one in 2**40), and sums of up to 2**20 of them stay below 2**62."""
-    return torch.from_numpy((_splitmix64(np.arange(count, dtype=np.uint64)) >> np.uint64(24)).astype(np.int64))
+    return torch.from_numpy((splitmix64(np.arange(count, dtype=np.uint64)) >> np.uint64(24)).astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------------- precision

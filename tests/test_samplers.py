@@ -20,19 +20,21 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from lightning_ddp_ext import _store
+from lightning_ddp_ext._windows import (
+    PlanSpan,
+    numpy_window_plan,
+    plan_ranges,
+    python_window_plan,
+    sampled_block_ends,
+    window_permutations,
+)
 from lightning_ddp_ext.samplers import (
     DistributedBatchSamplerWrapper,
     DistributedSamplerWrapper,
     LengthMismatchError,
     _EPOCHS_FORWARDED,
     _epoch_forwarded_to,
-    _numpy_window_plan,
-    _plan_ranges,
-    _PlanSpan,
-    _python_window_plan,
-    _sampled_block_ends,
     _serial_randperm,
-    _window_permutations,
 )
 
 
@@ -201,12 +203,12 @@ def test_window_permutations_are_uniform_and_fixed(build: str, monkeypatch: pyte
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
     if build == "python":
         monkeypatch.setattr(_store, "_compact", None)
-    assert _window_permutations(0, 0, 2, 8, 8).tolist() == [[7, 4, 1, 0, 6, 2, 5, 3], [5, 3, 0, 1, 6, 7, 2, 4]]
-    assert _window_permutations(0, 1, 1, 8, 8).tolist() == [[5, 3, 0, 1, 6, 7, 2, 4]]  # any window on its own
+    assert window_permutations(0, 0, 2, 8, 8).tolist() == [[7, 4, 1, 0, 6, 2, 5, 3], [5, 3, 0, 1, 6, 7, 2, 4]]
+    assert window_permutations(0, 1, 1, 8, 8).tolist() == [[5, 3, 0, 1, 6, 7, 2, 4]]  # any window on its own
     for seed, first, size, stride in ((0, 0, 32, 32), (2**63 - 2, 10**9, 20, 32), (12345, 7, 1, 1)):
         expected = [fisher_yates(seed, window, size, stride) for window in range(first, first + 3)]
-        assert _window_permutations(seed, first, 3, size, stride).tolist() == expected
-    permutations = _window_permutations(2**63 - 2, 10, 40_000, 8, 8)
+        assert window_permutations(seed, first, 3, size, stride).tolist() == expected
+    permutations = window_permutations(2**63 - 2, 10, 40_000, 8, 8)
     assert (np.sort(permutations, axis=1) == np.arange(8)).all()
     counts = np.zeros((8, 8), dtype=np.int64)  # counts[i, p]: how often position i holds item p
     np.add.at(counts, (np.tile(np.arange(8), 40_000), permutations.reshape(-1)), 1)
@@ -217,20 +219,20 @@ def test_window_permutations_are_uniform_and_fixed(build: str, monkeypatch: pyte
 def test_plan_ranges_set_the_head_and_the_last_window_apart() -> None:
     """The first window, the rest of the head's windows, then 8, 64, ... windows (up to 65,536 positions), then
     the last window alone: the C helper deals every range between the head and the last window."""
-    assert list(_plan_ranges(1, 32, 2)) == [(0, 1)]
-    assert list(_plan_ranges(2, 32, 1)) == [(0, 1), (1, 2)]
-    assert list(_plan_ranges(3, 32, 5)) == [(0, 3)]  # the head covers the epoch
-    assert list(_plan_ranges(100, 32, 2)) == [(0, 2), (2, 10), (10, 74), (74, 99), (99, 100)]
-    assert list(_plan_ranges(100, 128, 1)) == [(0, 1), (1, 9), (9, 73), (73, 99), (99, 100)]
-    assert list(_plan_ranges(5000, 32, 2))[3:] == [(74, 586), (586, 2634), (2634, 4682), (4682, 4999), (4999, 5000)]
+    assert list(plan_ranges(1, 32, 2)) == [(0, 1)]
+    assert list(plan_ranges(2, 32, 1)) == [(0, 1), (1, 2)]
+    assert list(plan_ranges(3, 32, 5)) == [(0, 3)]  # the head covers the epoch
+    assert list(plan_ranges(100, 32, 2)) == [(0, 2), (2, 10), (10, 74), (74, 99), (99, 100)]
+    assert list(plan_ranges(100, 128, 1)) == [(0, 1), (1, 9), (9, 73), (73, 99), (99, 100)]
+    assert list(plan_ranges(5000, 32, 2))[3:] == [(74, 586), (586, 2634), (2634, 4682), (4682, 4999), (4999, 5000)]
 
 
 def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
     """Blocks end (one past their last window) at first + 8, first + 16, ..., end; every fourth is sampled."""
-    assert _sampled_block_ends(0, 20, 8, 1) == [8, 16, 20]
-    assert _sampled_block_ends(1, 73, 8, 4) == [33, 65, 73]
-    assert _sampled_block_ends(0, 3, 8, 4) == [3]
-    assert _sampled_block_ends(0, 64, 8, 4) == [32, 64]
+    assert sampled_block_ends(0, 20, 8, 1) == [8, 16, 20]
+    assert sampled_block_ends(1, 73, 8, 4) == [33, 65, 73]
+    assert sampled_block_ends(0, 3, 8, 4) == [3]
+    assert sampled_block_ends(0, 64, 8, 4) == [32, 64]
 
 
 @settings(max_examples=300, deadline=None)
@@ -246,7 +248,7 @@ def test_the_digest_samples_every_few_blocks_and_the_last() -> None:
 def test_plans_in_python_and_in_numpy_agree(
     world: int, per_rank: int, length: int, pad: bool, windows_per_block: int, blocks_per_sample: int, data: Any
 ) -> None:
-    """A plan of a few positions is made in plain Python, a longer one in numpy (see _window_plan), so the
+    """A plan of a few positions is made in plain Python, a longer one in numpy (see window_plan), so the
     wrappers' tests mostly run one of them on any one epoch: both must read, keep and order alike for any
     range of windows, partial last windows and padding included."""
     if not pad and length < world:
@@ -259,10 +261,10 @@ def test_plans_in_python_and_in_numpy_agree(
     rank = data.draw(st.integers(0, world - 1), label="rank")
     seed = data.draw(st.integers(0, 2**63 - 1), label="seed")
     head_end = max(64, total - length)
-    span = _PlanSpan(
+    span = PlanSpan(
         seed, first, end, window, total, length, windows_per_block, blocks_per_sample, head_end, world, rank
     )
-    in_python, in_numpy = _python_window_plan(span), _numpy_window_plan(span)
+    in_python, in_numpy = python_window_plan(span), numpy_window_plan(span)
     assert in_python.mask == in_numpy.mask
     assert in_python.order.tolist() == in_numpy.order.tolist()
     assert in_python.blocks == in_numpy.blocks
@@ -738,7 +740,7 @@ def test_sampler_modules_import_without_lightning() -> None:
         "sys.meta_path.insert(0, Block())\n"
         "import lightning_ddp_ext.samplers, lightning_ddp_ext.dataloader, lightning_ddp_ext.consistency\n"
         "import lightning_ddp_ext.sync, lightning_ddp_ext._gradients, lightning_ddp_ext._exit\n"
-        "import lightning_ddp_ext._loader_shares, lightning_ddp_ext._checks\n"
+        "import lightning_ddp_ext._loader_shares, lightning_ddp_ext._checks, lightning_ddp_ext._windows\n"
         "from lightning_ddp_ext import patch_dataloader_to_ddp, DistributedBatchSamplerWrapper\n"
         "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules)\n"
         "exec('from lightning_ddp_ext import *')  # __all__ lists only what imports without Lightning\n"

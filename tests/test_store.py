@@ -24,11 +24,8 @@ from hypothesis import strategies as st
 from lightning_ddp_ext import _store
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
 from lightning_ddp_ext.consistency import RunningDigest
-from lightning_ddp_ext.samplers import (
-    DistributedBatchSamplerWrapper,
-    DistributedSamplerWrapper,
-    _numpy_window_permutations,
-)
+from lightning_ddp_ext._windows import numpy_window_permutations
+from lightning_ddp_ext.samplers import DistributedBatchSamplerWrapper, DistributedSamplerWrapper
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -472,14 +469,14 @@ def test_the_window_dealer_deals_unshuffled_rounds() -> None:
 
 def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
     """Ranks with and without the helper must permute every window alike: the dealer draws window by window
-    what the numpy twin, ``_numpy_window_permutations``, draws for many windows at once."""
+    what the numpy twin, ``numpy_window_permutations``, draws for many windows at once."""
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
     for seed in (0, 12345, 2**64 - 1):
         for world, per_rank in ((1, 1), (2, 16), (3, 5), (8, 16)):
             window = world * per_rank
-            permutations = _numpy_window_permutations(seed, 5, 7, window, window)
+            permutations = numpy_window_permutations(seed, 5, 7, window, window)
             items = range(5 * window, 12 * window)
             shares = [
                 list(compact.WindowDealer(iter(items), seed, window, world, rank, 5, 12, NO_SAMPLES, None))
@@ -500,7 +497,7 @@ def test_the_window_dealer_draws_the_same_permutations_as_numpy() -> None:
 
 
 def test_c_window_permutations_match_numpy_and_check_their_arguments() -> None:
-    """``samplers._window_permutations`` takes its rows from C when the helper is built: the same rows as the
+    """``_windows.window_permutations`` takes its rows from C when the helper is built: the same rows as the
     numpy twin, including the epoch's last window (fewer positions than the counters' stride)."""
     compact = _store._compact
     if compact is None:
@@ -510,7 +507,7 @@ def test_c_window_permutations_match_numpy_and_check_their_arguments() -> None:
         for first, count, size, stride in cases:
             out = np.empty((count, size), dtype=np.int64)
             assert compact.window_permutations(seed, first, count, size, stride, out) is None
-            assert (out == _numpy_window_permutations(seed, first, count, size, stride)).all()
+            assert (out == numpy_window_permutations(seed, first, count, size, stride)).all()
     with pytest.raises(TypeError, match="contiguous buffer of int64"):
         compact.window_permutations(0, 0, 1, 4, 4, np.empty(4, dtype=np.int32))
     with pytest.raises(ValueError, match="out holds 3 items, not count \\* size = 4"):
@@ -529,7 +526,7 @@ def test_the_window_dealer_yields_only_complete_windows_and_checks_its_arguments
     compact = _store._compact
     if compact is None:
         pytest.skip("the C helper lightning_ddp_ext._compact is not built")
-    permutations = _numpy_window_permutations(3, 0, 3, 4, 4)
+    permutations = numpy_window_permutations(3, 0, 3, 4, 4)
     own = (permutations[:, 0::2] + np.arange(0, 12, 4)[:, None]).reshape(-1).tolist()
     letters = "abcdefghijkl"
     samples: List[Any] = []
