@@ -528,13 +528,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
     ) -> Iterator[Iterable[T]]:
         """Permute consecutive windows of the sequence and keep this rank's items of each, streaming.
 
-        A window's permutation is known before the window is read (see ``window_permutations``), so the rank
-        knows which of its positions it takes and frees the other ranks' items at once. Windows are read in
-        blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. The last position of every few blocks (about one
-        in ``_SAMPLE_SPACING`` positions, see ``sampled_block_ends``) is the digest's sample, which every rank
-        hashes. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the digest hashes them in full,
-        and padding repeats them. The tail that ``pad=False`` cuts joins the last window (see
-        ``last_window``).
+        A window's permutation is known before the window is read (see ``_windows.window_permutations``), so
+        the rank knows which of its positions it takes and frees the other ranks' items at once. Windows are
+        read in blocks of about ``_WINDOW_BLOCK_ITEMS`` own items. The last position of every few blocks (about
+        one in ``_SAMPLE_SPACING`` positions, see ``_windows.sampled_block_ends``) is the digest's sample, which
+        every rank hashes. The first ``_HEAD_ITEMS`` positions are kept everywhere too: the digest hashes them in
+        full, and padding repeats them. The tail that ``pad=False`` cuts joins the last window (see
+        ``_windows.last_window``).
 
         A window yields only once it was read whole (a block in the head or at the end only once the whole
         block was), so all ranks yield the same number of items even when the sampler runs out early or
