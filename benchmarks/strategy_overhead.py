@@ -202,10 +202,11 @@ def _worker(task: str, repeats: int, epochs: int, out: str) -> None:
             pair = (baseline, ours) if repeat % 2 == 0 else (ours, baseline)  # neither always runs first
             for strategy in pair:  # back to back in the same processes, so drift hits both alike
                 results.append(dict(_fit(task, strategy, 0, epochs), strategy=strategy, pair=repeat))
-    import torch.distributed as dist
+    from lightning_ddp_ext import _exit
 
-    if dist.is_initialized():  # stock "ddp" leaves its group to exit, where gloo's threads can abort the process
-        dist.destroy_process_group()
+    # Stock "ddp" leaves its group to exit, where Gloo's threads can abort the process: the package's clean-up
+    # destroys it (after letting Gloo's threads settle on torch < 2.8).
+    _exit.destroy_process_group()
     if results and results[0]["rank"] == 0:
         Path(out).write_text(json.dumps(results))
 

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from distributed_helpers import CallOutcomes, call_on_ranks  # noqa: E402
+from hang_watchdog import pytest_configure, pytest_runtest_protocol, pytest_unconfigure  # noqa: E402,F401
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port  # noqa: E402
 from scenarios import TEST_PG_TIMEOUT  # noqa: E402
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_ddp_ext import sync
+from lightning_ddp_ext import _exit, sync
 from lightning_ddp_ext.sync import gather_in_order, sync_dicts
 
 NOT_A_DICT = "sync_dicts expects a dict, got list; wrap it in one: {'name': value}"
@@ -701,7 +701,7 @@ def test_sync_dicts_in_a_group_of_one_returns_its_input(tmp_path: Any) -> None:
             sync_dicts([1])  # type: ignore[arg-type]
         assert str(raised.value) == NOT_A_DICT
     finally:
-        dist.destroy_process_group()
+        _exit.destroy_process_group()
 
 
 @dataclass
