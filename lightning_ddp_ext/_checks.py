@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
-from lightning_ddp_ext._store import _is_bool
+from lightning_ddp_ext._store import is_bool
 
 # Seeds: 64-bit signed, so that seed + epoch, which seeds torch's generators here and in DistributedSampler, never
 # overflows what torch.Generator.manual_seed takes (up to 2**64 - 1).
@@ -39,7 +39,7 @@ def resolve_world(num_replicas: Optional[int], rank: Optional[int], owner: str) 
 
 def integer_or_none(value: Any) -> Optional[int]:
     """``value`` as an int if it is an integer (a numpy or torch integer too, not a bool of any kind), else None."""
-    if _is_bool(value):  # operator.index(torch.tensor(True)) is 1
+    if is_bool(value):  # operator.index(torch.tensor(True)) is 1
         return None
     try:
         return operator.index(value)

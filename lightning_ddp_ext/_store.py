@@ -231,7 +231,7 @@ def _elements(batch: Any) -> List[Any]:
     return list(batch)
 
 
-def _is_bool(value: Any) -> bool:
+def is_bool(value: Any) -> bool:
     """Whether ``value`` is a bool, or a numpy or torch bool (scalar, array or tensor): ``operator.index`` turns
     ``torch.tensor(True)`` into 1, while indexing with it is masking. Told by type for ints and numpy integers."""
     kind = type(value)
@@ -243,7 +243,7 @@ def _is_bool(value: Any) -> bool:
 
 
 def _has_bool(values: List[Any]) -> bool:
-    """Whether any of ``values`` is a bool (see :func:`_is_bool`); lists of exact ints or of numpy integers are
+    """Whether any of ``values`` is a bool (see :func:`is_bool`); lists of exact ints or of numpy integers are
     told by their types alone, at C speed."""
     kinds = set(map(type, values))
     kinds.discard(int)
@@ -252,7 +252,7 @@ def _has_bool(values: List[Any]) -> bool:
     if bool in kinds or np.bool_ in kinds:
         return True
     unsure = {kind for kind in kinds if not issubclass(kind, (int, np.integer))}
-    return bool(unsure) and any(_is_bool(value) for value in values if type(value) in unsure)
+    return bool(unsure) and any(is_bool(value) for value in values if type(value) in unsure)
 
 
 class NotIndicesError(TypeError):
@@ -268,7 +268,7 @@ def indices_of(item: Any, batched: bool) -> Any:
     Anything else that is no index raises the TypeError of ``operator.index``.
     """
     if not batched:
-        if _is_bool(item):
+        if is_bool(item):
             raise NotIndicesError("A bool is not an index: yield ints.")
         return operator.index(item)
     if isinstance(item, (str, bytes)):
