@@ -40,12 +40,15 @@ def test_finishes_in_time(number):
 
 
 def run_pytest(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as a test module under a conftest.py that loads the watchdog as this suite's does."""
+    loading = [line for line in (TESTS / "conftest.py").read_text().splitlines() if line.startswith("from hang_")]
+    assert loading, "tests/conftest.py no longer loads the watchdog"
+    (tmp_path / "conftest.py").write_text("\n".join(loading) + "\n")
     (tmp_path / "test_case.py").write_text(textwrap.dedent(source))
     env = dict(os.environ, PYTHONPATH=str(TESTS), HANG_WATCHDOG_GRACE_S="1")
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hang_watchdog", "-o", "timeout=2",
-         str(tmp_path / "test_case.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=2", "test_case.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )
 
 
