@@ -328,8 +328,8 @@ def single_rank_in_this_process(port: int) -> Iterator[None]:
     processes were started for you") into ``os.environ``, and the process group would stay initialised on the
     port; both are undone here, so later tests start their ranks as before. The group goes as the package's exit
     clean-up lets it go: the strategies first drop the groups their wrappers hold, and on torch < 2.8 Gloo's
-    threads settle before the destructor takes the GIL. Destroyed at once, it hung this process once in CI on
-    torch 2.6, after a fit (docs/compatibility.rst).
+    threads settle before the destructor takes the GIL. Destroyed at once, it most likely hung this process once in
+    CI on torch 2.6, after a fit (no stack was taken; docs/compatibility.rst).
     """
     saved = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
