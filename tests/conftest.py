@@ -4,15 +4,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator
 
 import pytest
+import torch.distributed
 from hypothesis import HealthCheck, settings
 from lightning.pytorch.strategies import StrategyRegistry
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
-from distributed_helpers import CallOutcomes, call_on_ranks  # noqa: E402
+from distributed_helpers import CallOutcomes, Outcome, call_in_a_new_process, call_on_ranks  # noqa: E402
 from hang_watchdog import pytest_configure, pytest_runtest_protocol, pytest_unconfigure  # noqa: E402,F401
 from reliability_common import PG_TIMEOUT_S, assert_no_new_descendants, children_baseline, free_port  # noqa: E402
 from scenarios import TEST_PG_TIMEOUT  # noqa: E402
@@ -45,6 +46,25 @@ def spawn_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert_no_new_descendants(before, grace_s=PG_TIMEOUT_S + 30)
 
 
+NO_GROUP_HERE = (
+    "a test tried to make a process group in the pytest process. Make it in a process of its own: "
+    "distributed_helpers.call_in_a_new_process for one-device fits, call_on_ranks or run_distributed for ranks. "
+    "A group made here must be destroyed before the next test, and on torch < 2.8 that destroy can deadlock "
+    "holding the GIL, beyond pytest-timeout's reach (docs/compatibility.rst)."
+)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_in_the_pytest_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refuse ``init_process_group`` here, where Lightning and the strategy look it up at each call. Spawned ranks
+    and scripts start from a fresh interpreter, without this."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(NO_GROUP_HERE)
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+
+
 @pytest.fixture(autouse=True)
 def no_global_seed_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """``seed_everything`` exports ``PL_GLOBAL_SEED``, which seeds CustomDDP's samplers by default: a test that
@@ -60,3 +80,11 @@ def on_two_ranks(request: pytest.FixtureRequest) -> CallOutcomes:
     two ranks, started once for the module (see ``distributed_helpers.call_on_ranks``), whichever of its tests
     run."""
     return call_on_ranks(request.module.RANK_CALLS)
+
+
+@pytest.fixture(scope="module")
+def in_one_process(request: pytest.FixtureRequest) -> Dict[str, Outcome]:
+    """The outcome of every call in the test module's ``ONE_PROCESS_CALLS``, all made in one new process with no
+    process group of its own to start with (see ``distributed_helpers.call_in_a_new_process``): one-device fits,
+    kept out of the pytest process."""
+    return call_in_a_new_process(request.module.ONE_PROCESS_CALLS)

@@ -15,6 +15,7 @@ import pickle
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_ddp_ext import _exit
 
 DEFAULT_TIMEOUT_S = 90.0
 
@@ -137,17 +137,20 @@ def worker_context(*preload: str) -> multiprocessing.context.BaseContext:
     return context
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, workdir: str, join_group: bool, args: tuple[Any, ...]
+) -> None:
     os.setpgid(0, 0)  # lead a process group: run_distributed kills it whole, orphaned descendants included
     result_path = Path(workdir) / f"result_{rank}.pkl"
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{workdir}/rendezvous",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )
+        if join_group:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{workdir}/rendezvous",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
         value = fn(rank, world_size, *args)
         payload: tuple[str, Any] = ("ok", value)
     except BaseException:  # report every failure, including assertion errors, to the parent
@@ -163,16 +166,21 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, arg
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, join_group: bool = True
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
     ``fn`` must be importable (a module-level function). Returns the values in rank order and raises
-    AssertionError with each failing rank's traceback, or after ``timeout`` seconds.
+    AssertionError with each failing rank's traceback, or after ``timeout`` seconds. With ``join_group=False``
+    the processes start without a process group (``fn`` makes one, or none).
     """
     with tempfile.TemporaryDirectory() as workdir:
         context = mp.start_processes(
-            _entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry,
+            args=(fn, world_size, workdir, join_group, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         try:
             finished = False
@@ -264,6 +272,22 @@ def _call_each(rank: int, world_size: int, calls: RankCalls, shared: str) -> Dic
         RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
         MASTER_PORT="29500",  # read by nothing: the process group exists already
     )
+    return _make_calls(calls, shared)
+
+
+def _call_alone(rank: int, world_size: int, calls: RankCalls, shared: str) -> Dict[str, Outcome]:
+    # What `python script.py` has: no torchrun variables, so a one-device Trainer's strategy makes the group itself
+    # (a world of one) on this address; later calls' strategies find it made and join it.
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return _make_calls(calls, shared)
+
+
+def _make_calls(calls: RankCalls, shared: str) -> Dict[str, Outcome]:
     os.environ[SHARED_DIRECTORY_VARIABLE] = shared
     outcomes: Dict[str, Outcome] = {}
     for name, (function, args) in calls.items():
@@ -310,6 +334,20 @@ def call_on_ranks(calls: RankCalls, world_size: int = 2, timeout: float = 240.0)
     return CallOutcomes({name: [outcomes[name] for outcomes in per_rank] for name in calls})
 
 
+def call_in_a_new_process(calls: RankCalls, timeout: float = 240.0) -> Dict[str, Outcome]:
+    """Make each call, one after another in the order given, in one new process that starts with no process group,
+    as ``python script.py`` does: the first one-device Trainer's strategy makes a group (a world of one), and the
+    later calls' strategies find it made. Returns each call's outcome by name; a call that raised does not stop
+    the next. Environment, seeds and the shared directory are as in :func:`call_on_ranks`.
+
+    For one-device fits of ``CustomDDP``: made in the pytest process instead, each fit's group had to be destroyed
+    before the next test, and on torch < 2.8 that destroy can deadlock holding the GIL (docs/compatibility.rst;
+    it most likely hung CI once). Here no group is ever destroyed: the process leaves with ``os._exit``."""
+    with tempfile.TemporaryDirectory(prefix="call_in_a_new_process-") as shared:
+        [outcomes] = run_distributed(_call_alone, 1, calls, shared, timeout=timeout, join_group=False)
+    return outcomes
+
+
 def free_env() -> dict[str, str]:
     """The environment for a subprocess that must not inherit this process's distributed settings."""
     env = dict(os.environ)
@@ -318,29 +356,6 @@ def free_env() -> dict[str, str]:
                 "PL_SEED_WORKERS"):
         env.pop(key, None)
     return env
-
-
-@contextmanager
-def single_rank_in_this_process(port: int) -> Iterator[None]:
-    """Run a one-device Trainer inside the test process, and leave no trace of it.
-
-    Lightning's launcher writes the distributed variables (``LOCAL_RANK`` among them: to a later Trainer, "the
-    processes were started for you") into ``os.environ``, and the process group would stay initialised on the
-    port; both are undone here, so later tests start their ranks as before. The group goes as the package's exit
-    clean-up lets it go: the strategies first drop the groups their wrappers hold, and on torch < 2.8 Gloo's
-    threads settle before the destructor takes the GIL. Destroyed at once, it most likely hung this process once in
-    CI on torch 2.6, after a fit (no stack was taken; docs/compatibility.rst).
-    """
-    saved = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):
-        os.environ.pop(key, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        yield
-    finally:
-        _exit.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 TOOLS_PYTHON_VARIABLE = "LIGHTNING_DDP_EXT_TOOLS_PYTHON"

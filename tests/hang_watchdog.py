@@ -2,10 +2,11 @@
 
 pytest-timeout interrupts a test with a signal, and Python runs signal handlers only between bytecodes: a main
 thread blocked in C code that holds the GIL never gets there. Destroying a Gloo group on torch < 2.8 can block
-so (docs/compatibility.rst), and once it did in CI, inside a one-rank Trainer run in the pytest process: the
-suite hung until CI's 90-minute limit, with nothing printed. faulthandler's watchdog is a C thread that needs no
-GIL: armed for each test at its timeout plus ``GRACE_S``, it prints the stacks to the terminal and exits with
-status 1, so such a hang fails the run in minutes and says where it was. conftest.py loads it.
+so (docs/compatibility.rst), and most likely once did in CI, after a one-rank Trainer run in the pytest process
+(the suite makes no group there since): it hung until CI's 90-minute limit, with nothing printed. faulthandler's
+watchdog is a C thread that needs no GIL: armed for each test at its timeout plus ``GRACE_S``, it prints the
+stacks to the terminal and exits with status 1, so such a hang fails the run in minutes and says where it was.
+conftest.py loads it.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import (
-    Outcome, call_on_ranks, descendants, describe, run_distributed, shared_directory, stat_fields, worker_context,
+    Outcome, call_in_a_new_process, call_on_ranks, descendants, describe, run_distributed, shared_directory,
+    stat_fields, worker_context,
 )
 from torch.utils.data import DataLoader
 
@@ -92,3 +93,35 @@ def test_call_on_ranks_makes_every_call_on_the_same_ranks_in_a_clean_environment
     (directory, files), same = outcomes.returned("list")
     assert same == (directory, files) and files == ["from rank 0", "from rank 1"]
     assert not Path(directory).exists()
+
+
+def _what_a_script_has() -> Tuple[bool, List[str], str, int]:
+    os.environ["PL_GLOBAL_SEED"] = "7"  # as seed_everything does: not for the next call
+    torchrun_variables = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK") if name in os.environ]
+    return dist.is_initialized(), torchrun_variables, os.environ["MASTER_ADDR"], os.getpid()
+
+
+def _make_a_group_of_one_then_fail() -> None:
+    dist.init_process_group("gloo", rank=0, world_size=1)  # env://: MASTER_ADDR and MASTER_PORT, as a strategy does
+    raise ValueError("failed after making the group")
+
+
+def _the_group_and_the_pid() -> Tuple[int, Optional[str], int]:
+    return dist.get_world_size(), os.environ.get("PL_GLOBAL_SEED"), os.getpid()
+
+
+def test_call_in_a_new_process_starts_as_a_script_and_keeps_the_group_a_call_made() -> None:
+    """No group and no torchrun variables to start with, a free address to make one on; a later call (after one
+    that raised) finds the group made, in the same process, which is not this one."""
+    outcomes = call_in_a_new_process(
+        {
+            "start": (_what_a_script_has, ()),
+            "make": (_make_a_group_of_one_then_fail, ()),
+            "after": (_the_group_and_the_pid, ()),
+        }
+    )
+    *start, first_pid = outcomes["start"].returned()
+    assert start == [False, [], "127.0.0.1"]
+    outcomes["make"].raised("ValueError: failed after making the group")
+    world_size, seed, pid = outcomes["after"].returned()
+    assert (world_size, seed) == (1, None) and pid == first_pid != os.getpid()

@@ -2,13 +2,14 @@
 
 Most runs here are the calls of ``RANK_CALLS``, made one after another on two ranks started once for the module,
 as a script run by torchrun makes several Trainers (``on_two_ranks``, see ``distributed_helpers.call_on_ranks``):
-starting ranks, not the runs, is what costs. Each test then checks its call's outcome on every rank. One test
-launches through Lightning's spawn launcher, so that a refusal is seen reaching the launching process too.
+starting ranks, not the runs, is what costs. Each test then checks its call's outcome on every rank. One-device
+runs are the calls of ``ONE_PROCESS_CALLS``, made in one new process (``in_one_process``). One test launches
+through Lightning's spawn launcher, so that a refusal is seen reaching the launching process too.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -16,8 +17,7 @@ import pytest
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import CombinedLoader
 import torch
-from distributed_helpers import CallOutcomes, RankCalls, single_rank_in_this_process
-from reliability_common import free_port
+from distributed_helpers import CallOutcomes, Outcome, RankCalls, shared_directory
 from scenarios import TEST_PG_TIMEOUT, EveryThirdFirst, IndexDataset, LengthBuckets, trainer_kwargs
 from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -33,6 +33,8 @@ SIZE = 45  # odd, so 2 ranks need padding in "pad" mode and get uneven shares in
 
 #: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
 RANK_CALLS: RankCalls = {}
+#: One-device runs, made one after another in one new process (``in_one_process``), filled in the same way.
+ONE_PROCESS_CALLS: RankCalls = {}
 
 
 class Embedder(pl.LightningModule):
@@ -458,25 +460,40 @@ class FailingOnce(MeanLogger):
         super().validation_step(batch, batch_idx)
 
 
-def test_exact_mode_after_a_failed_batch_leaves_lightning_s_collectives_alone(tmp_path: Path) -> None:
+def _validate_exactly_after_a_failed_batch() -> Tuple[str, bool, Dict[str, float], torch.dtype]:
+    """What the failed run raised and whether its checkpoint exists; the next run's metrics and its mean's dtype."""
+    checkpoint = OnExceptionCheckpoint(str(shared_directory("exact after a failed batch")))
+    model, loader = FailingOnce(), DataLoader(IndexDataset(6), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=CustomDDP(eval_mode="exact"),
+        **trainer_kwargs(devices=1, callbacks=[checkpoint], enable_checkpointing=True),
+    )
+    try:
+        trainer.validate(model, loader)
+        raised = "nothing"
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    saved = Path(checkpoint.ckpt_path).exists()
+    model.fail = False
+    [metrics] = trainer.validate(model, loader, verbose=False)  # the same Trainer: its barriers are allowed
+    return raised, saved, metrics, trainer.callback_metrics["mean"].dtype
+
+
+ONE_PROCESS_CALLS["exact after a failed batch"] = (_validate_exactly_after_a_failed_batch, ())
+
+
+def test_exact_mode_after_a_failed_batch_leaves_lightning_s_collectives_alone(
+    in_one_process: Dict[str, Outcome]
+) -> None:
     """A batch that raised is never counted complete. Lightning's exception handling (OnExceptionCheckpoint's
     save, with its barrier) and the next run on the same Trainer (its loader set-up barrier) must not be taken
     for collectives inside a batch. One process: the check is the same, the run is cheap."""
-    checkpoint = OnExceptionCheckpoint(str(tmp_path))
+    raised, saved, metrics, dtype = in_one_process["exact after a failed batch"].returned()
+    assert raised == "KeyError: \"the user's own error\"", raised  # not a RuntimeError from the save's barrier
+    assert saved
     data = IndexDataset(6)
-    model, loader = FailingOnce(), DataLoader(data, batch_size=4)
-    with single_rank_in_this_process(free_port()):
-        trainer = pl.Trainer(
-            strategy=CustomDDP(eval_mode="exact"),
-            **trainer_kwargs(devices=1, callbacks=[checkpoint], enable_checkpointing=True),
-        )
-        with pytest.raises(KeyError, match="the user's own error"):  # not a RuntimeError from the save's barrier
-            trainer.validate(model, loader)
-        assert Path(checkpoint.ckpt_path).exists()
-        model.fail = False
-        [metrics] = trainer.validate(model, loader, verbose=False)  # the same Trainer: its barriers are allowed
     assert metrics["mean"] == pytest.approx(sum(float(data[i][0]) for i in range(6)) / 6)
-    assert trainer.callback_metrics["mean"].dtype == torch.float32  # the integer counts' mean is float, not float64
+    assert dtype == torch.float32  # the integer counts' mean is float, not float64
 
 
 def test_exact_mode_refuses_a_loader_that_leaves_a_rank_without_batches() -> None:
@@ -566,22 +583,34 @@ class StepsTogetherAndFails(UnchangedByTraining):
         ]
 
 
-def test_gather_in_order_of_a_combined_validation_resumed_from_inside_it(tmp_path: Path) -> None:
+def _fit_combined(model: StepsTogetherAndFails, ckpt_path: Optional[str] = None, **options: Any) -> None:
+    trainer = pl.Trainer(
+        strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1, limit_train_batches=2, **options)
+    )
+    loaders = [DataLoader(IndexDataset(24), batch_size=4), DataLoader(IndexDataset(16), batch_size=4)]
+    train = DataLoader(IndexDataset(8), batch_size=4)
+    trainer.fit(model, train, CombinedLoader(loaders, "min_size"), ckpt_path=ckpt_path)
+
+
+def _resume_inside_a_combined_validation() -> Tuple[str, List[int]]:
+    """What the interrupted fit raised, and the row counts the resumed fit gathered per loader."""
+    checkpoint = OnExceptionCheckpoint(str(shared_directory("combined validation, interrupted")))
+    try:
+        _fit_combined(StepsTogetherAndFails(fail_at=2), callbacks=[checkpoint], enable_checkpointing=True)
+        raised = "nothing"
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    resumed = StepsTogetherAndFails()
+    _fit_combined(resumed, ckpt_path=checkpoint.ckpt_path)
+    return raised, resumed.gathered
+
+
+ONE_PROCESS_CALLS["combined validation, resumed"] = (_resume_inside_a_combined_validation, ())
+
+
+def test_gather_in_order_of_a_combined_validation_resumed_from_inside_it(in_one_process: Dict[str, Outcome]) -> None:
     """A fit resumed from a checkpoint written inside validation runs only the rest of it, while Lightning's
     count of the run's steps starts at the steps done before: the count must not take those as this run's."""
-
-    def fit(model: StepsTogetherAndFails, ckpt_path: Optional[str] = None, **options: Any) -> None:
-        with single_rank_in_this_process(free_port()):
-            trainer = pl.Trainer(
-                strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1, limit_train_batches=2, **options)
-            )
-            loaders = [DataLoader(IndexDataset(24), batch_size=4), DataLoader(IndexDataset(16), batch_size=4)]
-            train = DataLoader(IndexDataset(8), batch_size=4)
-            trainer.fit(model, train, CombinedLoader(loaders, "min_size"), ckpt_path=ckpt_path)
-
-    checkpoint = OnExceptionCheckpoint(str(tmp_path))
-    with pytest.raises(KeyError, match="interrupted inside validation"):
-        fit(StepsTogetherAndFails(fail_at=2), callbacks=[checkpoint], enable_checkpointing=True)
-    resumed = StepsTogetherAndFails()
-    fit(resumed, ckpt_path=checkpoint.ckpt_path)
-    assert resumed.gathered == [8, 8], resumed.gathered  # Lightning runs the 2 steps left, from the start: 8 rows
+    raised, gathered = in_one_process["combined validation, resumed"].returned()
+    assert raised == "KeyError: 'interrupted inside validation'", raised
+    assert gathered == [8, 8], gathered  # Lightning runs the 2 steps left, from the start: 8 rows

@@ -2,8 +2,9 @@
 
 Most runs are the calls of ``RANK_CALLS``, made one after another on two ranks started once for the module, as a
 script run by torchrun makes several Trainers (``on_two_ranks``, see ``distributed_helpers.call_on_ranks``): each
-test checks its call's outcome on every rank. Runs about Lightning's launchers (spawn, fork server, popen), or
-that leave a rank waiting for a launcher to end the job, start their own ranks.
+test checks its call's outcome on every rank. One-device fits are the calls of ``ONE_PROCESS_CALLS``, made in one
+new process (``in_one_process``, see ``distributed_helpers.call_in_a_new_process``). Runs about Lightning's launchers
+(spawn, fork server, popen), or that leave a rank waiting for a launcher to end the job, start their own ranks.
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import re
 import warnings
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed_helpers import CallOutcomes, RankCalls, run_python, shared_directory, single_rank_in_this_process
+from distributed_helpers import (
+    CallOutcomes, Outcome, RankCalls, call_in_a_new_process, run_python, shared_directory,
+)
 from lightning.pytorch.strategies import StrategyRegistry
 from packaging.version import Version
 from scenarios import (
@@ -43,7 +46,6 @@ from scenarios import (
     records_and_error,
     trainer_kwargs,
 )
-from reliability_common import free_port
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ddp_ext
@@ -61,6 +63,8 @@ pytestmark = pytest.mark.usefixtures("spawn_job")
 
 #: The runs made on the module's two ranks (see the module's docstring), filled in beside the tests that check them.
 RANK_CALLS: RankCalls = {}
+#: One-device fits, made one after another in one new process (``in_one_process``), filled in the same way.
+ONE_PROCESS_CALLS: RankCalls = {}
 
 
 def batches_of(rank_report: Dict[str, Any], key: str, epoch: int) -> List[List[int]]:
@@ -257,18 +261,25 @@ class TwoXStyleDDP(CustomDDP):
         self.model = torch.nn.parallel.DistributedDataParallel(self.model)
 
 
+def _fit_two_steps_with(strategy_class: type) -> int:
+    """One device, one epoch of two batches under ``strategy_class()``; the Trainer's step count."""
+    trainer = pl.Trainer(strategy=strategy_class(), **trainer_kwargs(devices=1, max_epochs=1))
+    trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    return trainer.global_step
+
+
 @pytest.mark.parametrize(
     "strategy_class, words",
     [(NoReturnDDP, "returned NoneType, not the wrapped model"), (TwoXStyleDDP, "must take (self, model, device_ids)")],
 )
-def test_a_configure_ddp_that_does_not_return_the_wrapper_is_refused(strategy_class: type, words: str) -> None:
+def test_a_configure_ddp_that_does_not_return_the_wrapper_is_refused(
+    in_one_process: Dict[str, Outcome], strategy_class: type, words: str
+) -> None:
     """Without the check, NoReturnDDP trained with no gradient sync at all (Lightning's model getter falls back to
     the bare module) and TwoXStyleDDP failed with "takes 1 positional argument but 3 were given"."""
-    with single_rank_in_this_process(free_port()), pytest.raises(TypeError) as raised:
-        trainer = pl.Trainer(strategy=strategy_class(), **trainer_kwargs(devices=1, max_epochs=1))
-        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
-    message = str(raised.value)
-    assert words in message and "return DistributedDataParallel(model, device_ids=device_ids" in message, message
+    expected = [words, "return DistributedDataParallel(model, device_ids=device_ids"]
+    outcome = in_one_process[f"two steps, {strategy_class.__name__}"]
+    outcome.raised("TypeError: .*" + ".*".join(map(re.escape, expected)))
 
 
 def _adapted_from_two_x(configure_ddp: Any) -> Any:
@@ -298,13 +309,20 @@ class UnwrappedOnOneRankDDP(CustomDDP):
 
 
 @pytest.mark.parametrize("strategy_class", [AdaptedDDP, UnwrappedOnOneRankDDP])
-def test_configure_ddp_overrides_that_return_a_module_are_accepted(strategy_class: type) -> None:
+def test_configure_ddp_overrides_that_return_a_module_are_accepted(
+    in_one_process: Dict[str, Outcome], strategy_class: type
+) -> None:
     """The signature checked is that of what is called (a decorator's wrapper), and the model itself is a module."""
-    model = OrderRecorder()
-    with single_rank_in_this_process(free_port()):
-        trainer = pl.Trainer(strategy=strategy_class(), **trainer_kwargs(devices=1, max_epochs=1))
-        trainer.fit(model, DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
-    assert trainer.global_step == 2
+    assert in_one_process[f"two steps, {strategy_class.__name__}"].returned() == 2
+
+
+def test_a_one_device_fit_in_the_pytest_process_is_refused_before_it_makes_a_group() -> None:
+    """conftest.py's guard reaches the strategy's own init_process_group: a group made here would have to be
+    destroyed here, which can deadlock on torch < 2.8 (see distributed_helpers.call_in_a_new_process)."""
+    trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+    with pytest.raises(RuntimeError, match="a test tried to make a process group in the pytest process"):
+        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert not torch.distributed.is_initialized()
 
 
 class NoGroupDDP(CustomDDP):
@@ -322,18 +340,21 @@ class OneXConnectionDDP(CustomDDP):
         super().init_ddp_connection()
 
 
-def test_init_ddp_connection_takes_1x_calls_and_must_leave_a_process_group() -> None:
+ONE_PROCESS_CALLS.update(
+    {
+        f"two steps, {strategy_class.__name__}": (_fit_two_steps_with, (strategy_class,))
+        for strategy_class in (NoReturnDDP, TwoXStyleDDP, AdaptedDDP, UnwrappedOnOneRankDDP, OneXConnectionDDP)
+    }
+)
+
+
+def test_init_ddp_connection_takes_1x_calls_and_must_leave_a_process_group(in_one_process: Dict[str, Outcome]) -> None:
     """super().init_ddp_connection() with no arguments (1.x's signature) failed with "missing 2 required positional
     arguments"; an override that left no group failed later with torch's "Default process group has not been
-    initialized", naming no hook."""
-    with single_rank_in_this_process(free_port()):
-        trainer = pl.Trainer(strategy=OneXConnectionDDP(), **trainer_kwargs(devices=1, max_epochs=1))
-        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
-    assert trainer.global_step == 2
-    with single_rank_in_this_process(free_port()), pytest.raises(RuntimeError) as raised:
-        trainer = pl.Trainer(strategy=NoGroupDDP(), **trainer_kwargs(devices=1, max_epochs=1))
-        trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
-    assert "NoGroupDDP.init_ddp_connection returned without a default process group" in str(raised.value)
+    initialized", naming no hook. That one needs a process where no group was made yet: a new one of its own."""
+    assert in_one_process["two steps, OneXConnectionDDP"].returned() == 2
+    [outcome] = call_in_a_new_process({"no group": (_fit_two_steps_with, (NoGroupDDP,))}).values()
+    outcome.raised("RuntimeError: NoGroupDDP.init_ddp_connection returned without a default process group")
 
 
 def test_more_processes_per_node_than_devices_is_refused_before_the_process_group(
@@ -775,15 +796,21 @@ class IntegerMeanInStep(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_integer_mean_is_exact_and_at_least_float32_under_half_precision() -> None:
-    """bfloat16 would round 1001 to 1000: the mean comes back in float32 however low the default dtype is."""
+def _reduce_an_integer_under_bf16() -> List[torch.Tensor]:
     model = IntegerMeanInStep()
-    with single_rank_in_this_process(free_port()):
-        trainer = pl.Trainer(
-            strategy=CustomDDP(), precision="bf16-true", **trainer_kwargs(devices=1, max_epochs=1, max_steps=1)
-        )
-        trainer.fit(model, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
-    [mean] = model.means
+    trainer = pl.Trainer(
+        strategy=CustomDDP(), precision="bf16-true", **trainer_kwargs(devices=1, max_epochs=1, max_steps=1)
+    )
+    trainer.fit(model, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
+    return model.means
+
+
+ONE_PROCESS_CALLS["integer mean, bf16"] = (_reduce_an_integer_under_bf16, ())
+
+
+def test_integer_mean_is_exact_and_at_least_float32_under_half_precision(in_one_process: Dict[str, Outcome]) -> None:
+    """bfloat16 would round 1001 to 1000: the mean comes back in float32 however low the default dtype is."""
+    [mean] = in_one_process["integer mean, bf16"].returned()
     assert mean.dtype == torch.float32 and mean.item() == 1001
 
 
@@ -903,71 +930,118 @@ class OrderRecorderWithValidation(OrderRecorder):
         pass
 
 
-@pytest.mark.parametrize(
-    "val_dataloaders, warned", [([], False), ([[(torch.ones(2, 1),)]], True)], ids=["empty", "list"]
-)
-def test_a_loader_that_is_no_dataloader_is_warned_about_unless_empty(val_dataloaders: Any, warned: bool) -> None:
-    """A list of batches cannot be sharded (every rank runs all of it); ``[]`` (no validation) has nothing to shard."""
-    with single_rank_in_this_process(free_port()), warnings.catch_warnings(record=True) as caught:
+def _warnings_of_a_fit_validating_on(val_dataloaders: Any) -> List[str]:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
         trainer.fit(
             OrderRecorderWithValidation(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2), val_dataloaders
         )
-    said = [str(w.message) for w in caught if "is not a torch DataLoader, so it cannot be sharded" in str(w.message)]
+    return [str(w.message) for w in caught]
+
+
+NOT_DATALOADERS = {"empty": [], "list": [[(torch.ones(2, 1),)]]}
+ONE_PROCESS_CALLS.update(
+    {f"validating on, {kind}": (_warnings_of_a_fit_validating_on, (val,)) for kind, val in NOT_DATALOADERS.items()}
+)
+
+
+@pytest.mark.parametrize("kind, warned", [("empty", False), ("list", True)])
+def test_a_loader_that_is_no_dataloader_is_warned_about_unless_empty(
+    in_one_process: Dict[str, Outcome], kind: str, warned: bool
+) -> None:
+    """A list of batches cannot be sharded (every rank runs all of it); ``[]`` (no validation) has nothing to shard."""
+    caught = in_one_process[f"validating on, {kind}"].returned()
+    said = [message for message in caught if "is not a torch DataLoader, so it cannot be sharded" in message]
     assert bool(said) == warned, said
 
 
-def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle() -> None:
+def _order_of_a_default_loader(global_seed: int, shuffle: bool = True, **options: Any) -> List[int]:
+    """The samples one device trains on, in order, with a plain loader of 16 after ``seed_everything(global_seed)``."""
+    pl.seed_everything(global_seed)
+    model = OrderRecorder()
+    trainer = pl.Trainer(strategy=CustomDDP(**options), **trainer_kwargs(devices=1, max_epochs=1))
+    data = TensorDataset(torch.arange(16.0).unsqueeze(1))
+    trainer.fit(model, DataLoader(data, batch_size=4, shuffle=shuffle))
+    return model.order
+
+
+DEFAULT_LOADER_RUNS: Dict[str, tuple] = {
+    "seed 1": (1, True, {}),
+    "seed 1 again": (1, True, {}),
+    "seed 2": (2, True, {}),
+    "seed 2, strategy seed 5": (2, True, {"seed": 5}),
+    "seed 3, strategy seed 5": (3, True, {"seed": 5}),
+    "seed 1, unshuffled": (1, False, {"shuffle_batches_between_ranks": True, "shuffle_window": 2}),
+}
+
+
+def _orders_of_default_loaders() -> Dict[str, List[int]]:
+    return {run: _order_of_a_default_loader(seed, shuffle, **options)
+            for run, (seed, shuffle, options) in DEFAULT_LOADER_RUNS.items()}
+
+
+ONE_PROCESS_CALLS["default loaders"] = (_orders_of_default_loaders, ())
+
+
+def test_default_loaders_take_seed_everythings_seed_and_keep_their_shuffle(in_one_process: Dict[str, Outcome]) -> None:
     """Plain loaders get a DistributedSampler seeded like stock Lightning's (seed_everything's seed, unless the
     strategy is given one), so runs with different seeds see different orders; shuffle=False stays in order,
     whatever the batch shuffle of custom samplers says."""
-
-    def order(global_seed: int, shuffle: bool = True, **options: Any) -> List[int]:
-        pl.seed_everything(global_seed)
-        model = OrderRecorder()
-        with single_rank_in_this_process(free_port()):
-            trainer = pl.Trainer(strategy=CustomDDP(**options), **trainer_kwargs(devices=1, max_epochs=1))
-            data = TensorDataset(torch.arange(16.0).unsqueeze(1))
-            trainer.fit(model, DataLoader(data, batch_size=4, shuffle=shuffle))
-        return model.order
-
-    first = order(1)
+    order = in_one_process["default loaders"].returned()
+    first = order["seed 1"]
     assert sorted(first) == list(range(16)) and first != list(range(16))
-    assert order(1) == first and order(2) != first
-    assert order(2, seed=5) == order(3, seed=5)  # an explicit seed wins
-    assert order(1, shuffle=False, shuffle_batches_between_ranks=True, shuffle_window=2) == list(range(16))
+    assert order["seed 1 again"] == first and order["seed 2"] != first
+    assert order["seed 2, strategy seed 5"] == order["seed 3, strategy seed 5"]  # an explicit seed wins
+    assert order["seed 1, unshuffled"] == list(range(16))
     with pytest.raises(ValueError, match=re.escape("seed must be an integer in [-2**63, 2**63 - 1], got 1.5")):
         CustomDDP(seed=1.5)  # type: ignore[arg-type]
 
 
-def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_shuffle() -> None:
+def _first_batch_of_three_epochs_with_the_batch_shuffle(
+    default_sampler: bool, trainer_options: Dict[str, Any]
+) -> Tuple[List[List[int]], List[str]]:
+    """Each epoch's first batch of six pairs (a list of them, or a plain loader), and the user warnings given."""
+    model = OrderRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(
+            strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3),
+            **trainer_kwargs(devices=1, max_epochs=3, **trainer_options),
+        )
+        data = TensorDataset(torch.arange(12.0).unsqueeze(1))
+        pairs = [[2 * i, 2 * i + 1] for i in range(6)]
+        sampling = dict(batch_size=2) if default_sampler else dict(batch_sampler=pairs)
+        trainer.fit(model, DataLoader(data, **sampling))  # type: ignore[arg-type]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)], said
+
+
+BATCH_SHUFFLE_RUNS = {
+    "overfit": (False, {"overfit_batches": 1}),
+    "limited": (False, {"limit_train_batches": 1}),
+    "overfit, plain loader": (True, {"overfit_batches": 1}),
+}
+ONE_PROCESS_CALLS.update(
+    {f"batch shuffle, {run}": (_first_batch_of_three_epochs_with_the_batch_shuffle, args)
+     for run, args in BATCH_SHUFFLE_RUNS.items()}
+)
+
+
+def test_overfit_batches_deals_the_same_batches_every_epoch_despite_the_batch_shuffle(
+    in_one_process: Dict[str, Outcome]
+) -> None:
     """overfit_batches trains on the same batches every epoch (Lightning turns a loader's own shuffling off):
     the batch shuffle of a custom sampler goes off too, with a warning, instead of overfitting other batches."""
-
-    def epochs(default_sampler: bool = False, **trainer_options: Any) -> List[List[int]]:
-        model = OrderRecorder()
-        with single_rank_in_this_process(free_port()):
-            trainer = pl.Trainer(
-                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3),
-                **trainer_kwargs(devices=1, max_epochs=3, **trainer_options),
-            )
-            data = TensorDataset(torch.arange(12.0).unsqueeze(1))
-            pairs = [[2 * i, 2 * i + 1] for i in range(6)]
-            sampling = dict(batch_size=2) if default_sampler else dict(batch_sampler=pairs)
-            trainer.fit(model, DataLoader(data, **sampling))  # type: ignore[arg-type]
-        return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
-
     message = "overfit_batches is set, so this training loader's batches are dealt without"
-    with pytest.warns(UserWarning, match=message):
-        overfit = epochs(overfit_batches=1)
+    overfit, said = in_one_process["batch shuffle, overfit"].returned()
+    assert [m for m in said if message in m], said
     assert overfit == [[0, 1]] * 3, overfit  # the sampler's first batch, as without the strategy
-    shuffled = epochs(limit_train_batches=1)
+    shuffled, _ = in_one_process["batch shuffle, limited"].returned()
     assert len({tuple(batch) for batch in shuffled}) > 1, shuffled  # the shuffle itself is still on otherwise
-    with warnings.catch_warnings(record=True) as record:  # the batch shuffle never applied to a default sampler
-        warnings.simplefilter("always")
-        assert epochs(default_sampler=True, overfit_batches=1) == [[0, 1]] * 3
-    assert not [w for w in record if message in str(w.message)]
+    plain, said = in_one_process["batch shuffle, overfit, plain loader"].returned()
+    assert plain == [[0, 1]] * 3, plain
+    assert not [m for m in said if message in m], said  # the batch shuffle never applied to a default sampler
 
 
 class PairsShuffledInSetEpoch:
@@ -987,22 +1061,31 @@ class PairsShuffledInSetEpoch:
         return iter([[2 * i, 2 * i + 1] for i in order])
 
 
-def test_overfit_batches_leaves_a_batch_samplers_own_set_epoch_uncalled_as_one_process_does() -> None:
+def _first_batch_of_three_epochs_shuffled_in_set_epoch(trainer_options: Dict[str, Any]) -> List[List[int]]:
+    model = OrderRecorder()
+    trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=3, **trainer_options))
+    data = TensorDataset(torch.arange(12.0).unsqueeze(1))
+    trainer.fit(model, DataLoader(data, batch_sampler=PairsShuffledInSetEpoch()))
+    return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
+
+
+ONE_PROCESS_CALLS.update(
+    {
+        "own set_epoch, overfit": (_first_batch_of_three_epochs_shuffled_in_set_epoch, ({"overfit_batches": 1},)),
+        "own set_epoch, limited": (_first_batch_of_three_epochs_shuffled_in_set_epoch, ({"limit_train_batches": 1},)),
+    }
+)
+
+
+def test_overfit_batches_leaves_a_batch_samplers_own_set_epoch_uncalled_as_one_process_does(
+    in_one_process: Dict[str, Outcome]
+) -> None:
     """A single-process Lightning loop calls set_epoch on loader.batch_sampler.sampler, never on a custom batch
     sampler itself: under overfit_batches it overfits epoch 0's first batch every epoch. The strategy forwarded
     the epoch to the batch sampler, which drew other batches each epoch; otherwise it still does."""
-
-    def epochs(**trainer_options: Any) -> List[List[int]]:
-        model = OrderRecorder()
-        with single_rank_in_this_process(free_port()):
-            trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=3, **trainer_options))
-            data = TensorDataset(torch.arange(12.0).unsqueeze(1))
-            trainer.fit(model, DataLoader(data, batch_sampler=PairsShuffledInSetEpoch()))
-        return [model.order[epoch * 2 : epoch * 2 + 2] for epoch in range(3)]
-
     first = next(iter(PairsShuffledInSetEpoch()))
-    assert epochs(overfit_batches=1) == [first] * 3
-    forwarded = epochs(limit_train_batches=1)
+    assert in_one_process["own set_epoch, overfit"].returned() == [first] * 3
+    forwarded = in_one_process["own set_epoch, limited"].returned()
     assert forwarded[0] == first and len({tuple(batch) for batch in forwarded}) > 1, forwarded
 
 
@@ -1037,14 +1120,21 @@ class EmptyValidation(OrderRecorder):
         raise AssertionError("an empty validation split has no batch")
 
 
-def test_an_empty_plain_validation_split_is_skipped_as_stock_lightning_does() -> None:
-    """An empty split under a plain loader gets 0 batches (Lightning warns), it does not fail the fit."""
+def _fit_with_an_empty_plain_validation_split() -> Tuple[bool, List[int]]:
     model = EmptyValidation()
-    with single_rank_in_this_process(free_port()):
-        trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
-        data = TensorDataset(torch.arange(8.0).unsqueeze(1))
-        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(TensorDataset(torch.empty(0, 1)), batch_size=4))
-    assert trainer.state.finished and sorted(model.order) == list(range(8))
+    trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
+    data = TensorDataset(torch.arange(8.0).unsqueeze(1))
+    trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(TensorDataset(torch.empty(0, 1)), batch_size=4))
+    return trainer.state.finished, model.order
+
+
+ONE_PROCESS_CALLS["empty plain validation"] = (_fit_with_an_empty_plain_validation_split, ())
+
+
+def test_an_empty_plain_validation_split_is_skipped_as_stock_lightning_does(in_one_process: Dict[str, Outcome]) -> None:
+    """An empty split under a plain loader gets 0 batches (Lightning warns), it does not fail the fit."""
+    finished, order = in_one_process["empty plain validation"].returned()
+    assert finished and sorted(order) == list(range(8))
 
 
 class StopHere(Exception):
@@ -1081,33 +1171,43 @@ class Crashing(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.parametrize("hook", ["on_train_batch_start", "training_step", "on_train_batch_end"])
+def _fit_crashing(model: Crashing, **fit_options: Any) -> List[List[int]]:
+    trainer = pl.Trainer(
+        strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3), **trainer_kwargs(devices=1, max_epochs=2)
+    )
+    data = TensorDataset(torch.arange(8).unsqueeze(1))
+    try:
+        trainer.fit(model, DataLoader(data, batch_sampler=[[0, 1], [2, 3], [4, 5], [6, 7]]), **fit_options)
+    except StopHere:
+        pass
+    return model.seen
+
+
+def _stop_in_the_last_batch_then_resume(hook: str) -> Tuple[List[List[int]], List[List[int]], List[List[int]]]:
+    """The batches of the uninterrupted run, of a run stopped in ``hook`` of epoch 0's last batch, and of its resume."""
+    checkpoint = shared_directory(f"stopped in {hook}") / "stop.ckpt"
+    whole = _fit_crashing(Crashing(checkpoint))
+    first = _fit_crashing(Crashing(checkpoint, crash_at=(hook, 3)))
+    return whole, first, _fit_crashing(Crashing(checkpoint), ckpt_path=checkpoint)
+
+
+LAST_BATCH_HOOKS = ["on_train_batch_start", "training_step", "on_train_batch_end"]
+ONE_PROCESS_CALLS.update(
+    {f"stopped in {hook}": (_stop_in_the_last_batch_then_resume, (hook,)) for hook in LAST_BATCH_HOOKS}
+)
+
+
+@pytest.mark.parametrize("hook", LAST_BATCH_HOOKS)
 def test_a_checkpoint_during_the_last_batch_of_an_epoch_resumes_like_the_uninterrupted_run(
-    tmp_path: Path, hook: str
+    in_one_process: Dict[str, Outcome], hook: str
 ) -> None:
     """Lightning marks the last batch when it fetches it: a checkpoint written before that batch's step ended
     re-runs it (the epoch is not over), one written after it starts the next epoch. Either way the resumed
     run trains the batches the uninterrupted one trains, in the same order."""
     if hook == "on_train_batch_end" and not hasattr(_compat_training_epoch_loop(), "restarted_on_train_batch_end"):
         pytest.skip("this Lightning re-runs the batch whose on_train_batch_end wrote the checkpoint")
-    checkpoint = tmp_path / "stop.ckpt"
-
-    def fit(model: Crashing, **fit_options: Any) -> List[List[int]]:
-        with single_rank_in_this_process(free_port()):
-            trainer = pl.Trainer(
-                strategy=CustomDDP(shuffle_batches_between_ranks=True, seed=3),
-                **trainer_kwargs(devices=1, max_epochs=2),
-            )
-            data = TensorDataset(torch.arange(8).unsqueeze(1))
-            try:
-                trainer.fit(model, DataLoader(data, batch_sampler=[[0, 1], [2, 3], [4, 5], [6, 7]]), **fit_options)
-            except StopHere:
-                pass
-        return model.seen
-
-    whole = fit(Crashing(checkpoint))
-    first = fit(Crashing(checkpoint, crash_at=(hook, 3)))
-    assert fit(Crashing(checkpoint), ckpt_path=checkpoint) == whole[len(first):]
+    whole, first, resumed = in_one_process[f"stopped in {hook}"].returned()
+    assert resumed == whole[len(first):]
 
 
 def _compat_training_epoch_loop() -> type:
