@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 DEFAULT_TIMEOUT_S = 90.0
 
 
@@ -105,6 +104,13 @@ def describe(pids: List[int]) -> str:
         command = " ".join(command_line(pid).split())[:120]
         lines.append(f"  {pid} (parent {fields[1]}, state {fields[0]}, waiting in {waiting_in}): {command}")
     return "\n".join(lines) or "  (none)"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def kill_pids(pids: List[int]) -> None:
@@ -280,10 +286,7 @@ def _call_alone(rank: int, world_size: int, calls: RankCalls, shared: str) -> Di
     # (a world of one) on this address; later calls' strategies find it made and join it.
     for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return _make_calls(calls, shared)
 
 

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -27,6 +26,7 @@ from distributed_helpers import (  # noqa: E402
     command_line,
     descendants,
     describe,
+    free_port,
     kill_pids,
     session_members,
     worker_context,
@@ -45,13 +45,6 @@ INJECTED_MESSAGE = "injected fault"
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.2) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passed; return whether it held (a bounded wait)."""
     deadline = time.monotonic() + timeout_s
