@@ -78,6 +78,16 @@ def check_flag(value: Any, name: str, owner: str) -> bool:
     return bool(value)
 
 
+def length_of(source: Any, subject: str, fix: str) -> int:
+    """``len(source)``, or a TypeError that says ``subject`` (``"len() of ..."``) raised and what to do (``fix``).
+    TypeError and NotImplementedError are how classes say "not sized" (IterableDataset-like ones)."""
+    try:
+        return len(source)
+    except (TypeError, NotImplementedError) as error:
+        raised = type(error).__name__ + (f" ({error})" if str(error) else "")
+        raise TypeError(f"{subject} raised {raised}. {fix}") from error
+
+
 def nothing_to_deal(name: str, world: int) -> ValueError:
     """The error for an empty sampler or dataset ``name``, which would give each of ``world`` ranks nothing."""
     return ValueError(

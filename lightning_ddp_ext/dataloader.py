@@ -32,6 +32,7 @@ from lightning_ddp_ext._checks import (
     check_seed,
     check_shuffle_window,
     fewer_items_than_ranks,
+    length_of,
     nothing_to_deal,
     resolve_world,
 )
@@ -144,6 +145,18 @@ def _is_default_sampler(sampler: Sampler[Any], dataset: Any) -> bool:
     return False
 
 
+def _dataset_length(dataset: Any) -> int:
+    """``len(dataset)`` of a loader with a default sampler, or a TypeError saying what to change."""
+    name = type(dataset).__name__
+    return length_of(
+        dataset,
+        f"{_OWNER}: len() of the loader's dataset ({name})",
+        f"Its default sampler's indices are dealt out among the ranks, so every rank must know how many there are:"
+        f" give {name} a __len__ that returns its number of samples (or make it an IterableDataset that shards"
+        " itself; such a loader is returned unchanged).",
+    )
+
+
 def _is_own_data(data_source: Any, dataset: Any) -> bool:
     """Whether a default sampler draws from the loader's dataset. DataLoader wraps a ``MapDataPipe`` for pickling
     (``loader.dataset._datapipe`` is the pipe) but gives its default sampler the pipe itself."""
@@ -191,7 +204,7 @@ def _deal_default_sampler(sampler: Sampler[Any], dataset: Any, wrapper_kwargs: D
     ``pad`` is: padding nothing would silently give every rank 0 batches.
     """
     world, pad = wrapper_kwargs["num_replicas"], wrapper_kwargs.get("pad", True)
-    size = len(dataset)
+    size = _dataset_length(dataset)
     if size == 0:
         raise nothing_to_deal(type(dataset).__name__, world)
     shuffle = wrapper_kwargs.get("shuffle")

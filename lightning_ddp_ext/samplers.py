@@ -37,6 +37,7 @@ from lightning_ddp_ext._checks import (
     check_shuffle_window,
     fewer_items_than_ranks,
     integer_or_none,
+    length_of,
     nothing_to_deal,
     resolve_world,
 )
@@ -217,14 +218,12 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
     # ------------------------------------------------------------------ sizes
     def _declared_length(self) -> int:
-        try:
-            length = len(self.source)  # type: ignore[arg-type]
-        except (TypeError, NotImplementedError) as error:  # how "not sized" is said (IterableDataset-like classes)
-            raised = type(error).__name__ + (f" ({error})" if str(error) else "")
-            raise TypeError(
-                f"len() of {self._source_name} raised {raised}. Every rank must know the number of items in advance"
-                " to take equal shares: make __len__ return how many items one epoch yields."
-            ) from error
+        length = length_of(
+            self.source,
+            f"len() of {self._source_name}",
+            "Every rank must know the number of items in advance to take equal shares: make __len__ return how many"
+            " items one epoch yields.",
+        )
         if length < 1:
             raise nothing_to_deal(self._source_name, self.num_replicas)
         return length

@@ -61,8 +61,10 @@ def sync_dicts(d: Dict[Any, Any], world_size: Optional[int] = None, group: Optio
         group: The process group to gather over; the default group if ``None``.
 
     Returns:
-        The merged dict, the same on every rank. ``d`` itself when there is no initialised process group, a world
-        size of 1, or this rank is not in ``group`` (it takes no part, as in torch's own collectives).
+        The merged dict, the same on every rank, its keys in rank 0's order (a loop over it that logs each key
+        with ``sync_dist=True`` then pairs the same keys on every rank). ``d`` itself when there is no initialised
+        process group, a world size of 1, or this rank is not in ``group`` (it takes no part, as in torch's own
+        collectives).
 
     Raises:
         ValueError: If ranks disagree on keys, on the kind of value under a key, or on the trailing shape or
@@ -94,12 +96,12 @@ def gather_in_order(
 
     A padded sample is computed on another rank in a batch of another size, and kernels round differently for
     different batch sizes, so "the same value" allows for rounding: floating-point and complex tensors (and
-    numpy arrays) agree when every element is within ``sqrt(eps)`` of their dtype times the sample's largest
-    finite magnitude (3.5e-4 for float32) plus the smallest normal number, NaN matching NaN. float32 may have
-    been computed in TF32 on a CUDA machine (``torch.backends.cudnn.allow_tf32``, on by default, or
-    ``torch.set_float32_matmul_precision("high")``): it then gets TF32's ``sqrt(eps)``, 0.031. Integer and bool
-    tensors and other objects, Python floats included, must be equal (``==``), and tensors and numpy arrays
-    must have the same dtype and shape.
+    numpy arrays and their scalars, such as the elements of a 1-D array) agree when every element is within
+    ``sqrt(eps)`` of their dtype times the sample's largest finite magnitude (3.5e-4 for float32) plus the
+    smallest normal number, NaN matching NaN. float32 may have been computed in TF32 on a CUDA machine
+    (``torch.backends.cudnn.allow_tf32``, on by default, or ``torch.set_float32_matmul_precision("high")``): it
+    then gets TF32's ``sqrt(eps)``, 0.031. Integer and bool tensors and other objects, Python floats included,
+    must be equal (``==``), and tensors and numpy arrays must have the same dtype and shape.
 
     Args:
         values: This rank's outputs: a tensor whose first dim runs over samples, or a sequence of per-sample
@@ -237,7 +239,8 @@ def _exchange(
     # No collective follows, so whatever raises from here on cannot leave another rank waiting.
     per_rank_skeletons = [pickle.loads(s) if s else {} for _, _, s in sent]
     merged: Dict[Any, Any] = {}
-    for path, local in leaves.items():  # local order, so the result reads like the input
+    position = {path: k for k, path in enumerate(schemas[0][0])}  # the same keys everywhere (checked above)
+    for path, local in sorted(leaves.items(), key=lambda leaf: position[leaf[0]]):  # rank 0's order, on every rank
         if isinstance(local, torch.Tensor):
             value = _cat_rows([ts[slot[path]] for ts, slot in zip(per_rank_tensors, slots)]).to(local.device)
         else:
@@ -708,7 +711,7 @@ def _dedupe_in_order(
     kept = first.nonzero().flatten()[first.cumsum(0) - 1]  # for every sorted position, its run's first position
     later, earlier = order[repeats], order[kept[repeats]]
     if isinstance(values, torch.Tensor):
-        later_rows, earlier_rows = (values.index_select(0, i.to(values.device)) for i in (later, earlier))
+        later_rows, earlier_rows = (_select_rows(values, i) for i in (later, earlier))
         differs = ~_close_rows(later_rows, earlier_rows).cpu()
     else:
         differs = torch.tensor(
@@ -747,8 +750,23 @@ def _dedupe_in_order(
 
     keep = order[first]
     if isinstance(values, torch.Tensor):
-        return values.index_select(0, keep.to(values.device))
+        return _select_rows(values, keep)
     return [values[i] for i in keep.tolist()]
+
+
+#: The unsigned dtypes torch implements no ``index_select`` for (token ids, hashes), each with the signed dtype of
+#: its width, through whose view their rows are selected instead.
+_SIGNED_VIEWS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _select_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values.index_select(0, index)`` for every dtype: rows of uint16/32/64 go through a signed view of the same
+    bits, since torch implements no ``index_select`` for them."""
+    index = index.to(values.device)
+    signed = _SIGNED_VIEWS.get(values.dtype)
+    if signed is None:
+        return values.index_select(0, index)
+    return values.view(signed).index_select(0, index).view(values.dtype)
 
 
 def _is_nan(value: Any) -> bool:
@@ -795,8 +813,9 @@ _TORCH_FLOAT_DTYPES = tuple(map(np.dtype, ("float16", "float32", "float64", "com
 
 
 def _holds_plain_float(value: Any) -> bool:
-    """Whether ``value`` is, or its dicts, lists and tuples hold, a Python or numpy float scalar."""
-    if isinstance(value, (float, complex, np.floating, np.complexfloating)):
+    """Whether ``value`` is, or its dicts, lists and tuples hold, a Python float or complex number (numpy's float
+    scalars are compared with a tolerance, as arrays)."""
+    if isinstance(value, (float, complex)) and not isinstance(value, np.generic):
         return True
     if isinstance(value, dict):
         value = list(value.values())
@@ -804,14 +823,14 @@ def _holds_plain_float(value: Any) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality for per-sample objects: tensors and floating-point numpy arrays as in :func:`_close_rows`, other
-    arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and tuples (a per-sample
-    ``{"embedding": tensor, "id": 3}``) and arrays of objects item by item, by these rules. An object is the same
-    as itself, and NaNs match (floats, complex numbers, arrays), as in tensors."""
+    """Equality for per-sample objects: tensors and floating-point numpy arrays and scalars as in
+    :func:`_close_rows`, other arrays and the rest exactly (arrays of the same dtype and shape); dicts, lists and
+    tuples (a per-sample ``{"embedding": tensor, "id": 3}``) and arrays of objects item by item, by these rules.
+    An object is the same as itself, and NaNs match (floats, complex numbers, arrays), as in tensors."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
-    if isinstance(a, np.void) and isinstance(b, np.void):  # a row of a structured array: compared as one
-        a, b = np.asarray(a), np.asarray(b)
+    if isinstance(a, np.generic) and isinstance(b, np.generic):  # elements of 1-D arrays, rows of structured ones:
+        a, b = np.asarray(a), np.asarray(b)  # compared as the arrays they came from
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False

@@ -142,6 +142,33 @@ def test_a_len_that_raises_is_explained(raised: Exception) -> None:
         DistributedBatchSamplerWrapper(UnsizedBatches([[0], [1]]), num_replicas=WORLD, rank=0)
 
 
+class NoLengthData(torch.utils.data.Dataset):
+    """A map-style dataset that forgot ``__len__``: a default SequentialSampler takes it, until iterated."""
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class UnsizedData(NoLengthData):
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "dataset, raised",
+    [
+        (NoLengthData(), "TypeError (object of type 'NoLengthData' has no len())"),
+        (UnsizedData(), "NotImplementedError"),
+    ],
+)
+def test_a_dataset_without_len_under_a_default_sampler_is_explained(dataset: Any, raised: str) -> None:
+    """Python's bare "object of type ... has no len()" (or an empty NotImplementedError) escaped, naming nothing."""
+    name = type(dataset).__name__
+    said = f"patch_dataloader_to_ddp: len() of the loader's dataset ({name}) raised {raised}. Its default sampler's"
+    with pytest.raises(TypeError, match=re.escape(said) + f".* give {name} a __len__"):
+        patch_dataloader_to_ddp(DataLoader(dataset, batch_size=2), num_replicas=WORLD, rank=0)
+
+
 def test_one_shot_generator_as_index_sampler_is_refused_at_construction() -> None:
     loader = DataLoader(range(6), batch_size=2, sampler=(i for i in range(6)))
     with pytest.raises(TypeError, match="DistributedSamplerWrapper needs an iterable with __len__, got generator"):

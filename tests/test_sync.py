@@ -257,6 +257,13 @@ def _sync_worker(rank: int, world_size: int) -> Dict[str, Any]:
     one = np.int64(1) if rank == 0 else 1
     equal_keys = {one: torch.full((1, 2), rank), 5: torch.full((1, 2), 10 + rank)}
     results["equal_keys"] = _attempt(lambda: sync_dicts(equal_keys))
+
+    # Keys inserted in another order on odd ranks, at both levels: every rank gets rank 0's order, so a loop over
+    # the result that makes a collective per key (logging with sync_dist=True) pairs the same keys everywhere.
+    inner = {"loss": torch.ones(1), "acc": torch.zeros(1)}
+    ordered = {"b": dict(reversed(inner.items())) if rank % 2 else inner, "a": [rank]}
+    merged = sync_dicts(dict(reversed(ordered.items())) if rank % 2 else ordered)
+    results["key_order"] = (list(merged), list(merged["b"]))
     return results
 
 
@@ -528,6 +535,11 @@ def test_one_element_at_another_stride_travels(per_rank: List[Dict[str, Any]]) -
     expected = {"x": torch.tensor([1.0 + 10 * r for r in range(len(per_rank))])}
     for rank, results in enumerate(per_rank):
         _assert_same(results["one_element_column"], expected, f"rank {rank}")
+
+
+def test_every_rank_gets_the_keys_in_rank_0s_order(per_rank: List[Dict[str, Any]]) -> None:
+    """Each rank's own order made a merge equal as a dict but iterated differently on odd ranks."""
+    assert [results["key_order"] for results in per_rank] == [(["b", "a"], ["loss", "acc"])] * len(per_rank)
 
 
 def test_keys_that_compare_equal_are_merged_whatever_their_repr(per_rank: List[Dict[str, Any]]) -> None:
@@ -835,6 +847,24 @@ def test_gather_in_order_locally_tolerates_rounding_only(monkeypatch: pytest.Mon
         gather_in_order([x[0].numpy(), (x[0] * (1 + 1e-3)).numpy()], [4, 4])
     with pytest.raises(ValueError, match="its values hold Python floats, which are compared exactly.* not .tolist"):
         gather_in_order([x[0].tolist(), up[0].tolist()], [4, 4])
+    # A 1-D numpy array's elements (numpy scalars) as arrays: they were compared exactly, with the hint above
+    column, column_up = x[:, 0].numpy(), up[:, 0].numpy()
+    assert gather_in_order(np.concatenate([column, column_up]), [0, 1, 2, 0, 1, 2]) == list(column)
+    with pytest.raises(ValueError, match=r"different values for the same index: 0$"):
+        gather_in_order(np.concatenate([column[:1], column[:1] * (1 + 1e-3)]), [0, 0])
+
+
+@pytest.mark.usefixtures("no_process_group")
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_gather_in_order_takes_the_unsigned_dtypes_torch_cannot_index_select(dtype: torch.dtype) -> None:
+    """One token id or hash per sample in uint16/32/64 failed with torch's "index_select not implemented for
+    'UInt64'" (rows of 2-D ones it can select)."""
+    rows = torch.tensor([[20, 21], [0, 1], [10, 11], [0, 1], [2**15, 5]]).to(dtype)  # 2**15: negative as int16
+    expected = torch.tensor([[0, 1], [10, 11], [20, 21], [2**15, 5]]).to(dtype)
+    for values, kept in ((rows[:, 0].contiguous(), expected[:, 0].contiguous()), (rows, expected)):
+        _assert_same(gather_in_order(values, [2, 0, 1, 0, 3]), kept)
+        with pytest.raises(ValueError, match="different values for the same index: 0"):
+            gather_in_order(values, [2, 0, 1, 3, 0])
 
 
 @pytest.mark.usefixtures("no_process_group")
