@@ -3,6 +3,7 @@ wrapper's own code is the one setting them. Framework-free (no Lightning)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, Dict, FrozenSet, List, Tuple
@@ -17,13 +18,16 @@ def found_on_class(cls: type, name: str) -> bool:
 
 
 def is_data_attribute(obj: Any, name: str) -> bool:
-    """Whether ``name`` is a data attribute of ``obj``: in its ``__dict__``, a slot, a property, or a plain
-    class-level value; not a method or another non-data descriptor."""
+    """Whether ``name`` is a data attribute of ``obj``: in its ``__dict__``, a slot, a property, a
+    ``functools.cached_property`` (computed or not yet), or a plain class-level value; not a method or another
+    non-data descriptor."""
     if name in getattr(obj, "__dict__", ()):
         return True
     found = inspect.getattr_static(type(obj), name, _MISSING)
     if found is _MISSING:
         return False
+    if isinstance(found, functools.cached_property):  # a value once computed, set in the instance's __dict__
+        return True
     kind = type(found)
     return hasattr(kind, "__set__") or not (callable(found) or hasattr(kind, "__get__"))
 

@@ -218,6 +218,8 @@ def python_window_plan(span: PlanSpan) -> WindowPlan:
             keep[position] = 1
     for block_read_end in block_read_ends:
         keep[block_read_end - 1] = 1  # each block's last position: runs out alike on every rank
+    tail = min(max(0, (total - 1) // world * world - start), read_end)
+    keep[tail:] = b"\x01" * (read_end - tail)  # the epoch's last round: every rank keeps it (the digest hashes it)
     head = max(0, min(head_end - start, read_end))
     keep[:head] = b"\x01" * head  # the head: every rank keeps it
     kept_before = list(accumulate(keep, initial=0))  # kept positions before p
@@ -273,6 +275,7 @@ def numpy_window_plan(span: PlanSpan) -> WindowPlan:
     block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
     block_read_ends[-1] = read_end  # the last window's tail, which pad=False cuts, is read with its block
     keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
+    keep[max(0, (total - 1) // world * world - start) :] = True  # the epoch's last round: every rank keeps it
     keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
     kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
     block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)

@@ -199,19 +199,25 @@ class _DealingWrapper(Sampler[T], Generic[T]):
 
         Set on the wrapper instead: its own attributes, names the user's object does not have, and whatever the
         code of the wrapper's class or a subclass sets (its ``__init__`` setting ``self.generator``, say). Such an
-        attribute then hides the user's of the same name for reads and writes through the wrapper too.
+        attribute then hides the user's of the same name for reads and writes through the wrapper too. Except
+        ``sampler``, the relay of a batch-sampler wrapper: ``wrapper.sampler = s`` sets the user's batch sampler's
+        own ``sampler``, as ``batch_sampler.sampler = s`` does on one device (replacing the relay changed nothing
+        for the batches and cut the loop's ``set_epoch`` off from the wrapper).
         """
         forwarded = self._forwards(name)
-        users = forwarded or name in self._NOT_FORWARDED
+        relayed = name == "sampler" and isinstance(self.__dict__.get("sampler"), _EpochRelay)
+        users = forwarded or relayed or name in self._NOT_FORWARDED
         if users and sys._getframe(1).f_code in _attributes.code_of_methods(type(self), _DealingWrapper):
-            forwarded = False  # the wrapper's own code, or a subclass's, sets its own attribute
+            forwarded = relayed = False  # the wrapper's own code, or a subclass's, sets its own attribute
         elif name in self._NOT_FORWARDED and not (
             name in self.__dict__ or _attributes.found_on_class(type(self), name)
         ):
             hint = self._not_forwarded(name)  # set on the wrapper, the user's batch_size (say) would not change
             if hint:
                 raise AttributeError(f"cannot set {name!r} on {type(self).__name__}{hint}.")
-        if forwarded:
+        if relayed:
+            self.__dict__["sampler"]._replace_users_sampler(value)
+        elif forwarded:
             setattr(self.__dict__["source"], name, value)
         else:
             super().__setattr__(name, value)
@@ -273,8 +279,13 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         reaches only the second; with :attr:`forward_epoch_to_batch_sampler` False (``CustomDDP`` under
         ``overfit_batches``, which must train the same batches every epoch) so does this. Every call is
         forwarded, as a loop makes it (Lightning's sets a validation loader's epoch before every validation run),
-        except a repeat that ``CustomDDP`` announced (it sets the epoch before the loop does).
+        except a repeat that ``CustomDDP`` announced (it sets the epoch before the loop does). A numpy or torch
+        integer is taken as the int it is; anything else is a TypeError here, not at the next epoch's shuffle.
         """
+        checked = integer_or_none(epoch)
+        if checked is None:
+            raise TypeError(f"{type(self).__name__}.set_epoch takes an integer epoch, got {epoch!r}")
+        epoch = checked
         ahead, self._epoch_set_ahead = self._epoch_set_ahead, None
         if ahead is not None and epoch == ahead[0]:
             self.epoch = ahead[1]
@@ -445,20 +456,29 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             raise self._mismatch(length, min(read + extra, read + length), more=extra > length)
 
     def _read_block(
-        self, items: Iterator[Any], start: int, mask: bytes, kept: int, head: int, length: int, digest: RunningDigest
+        self,
+        items: Iterator[Any],
+        start: int,
+        mask: bytes,
+        kept: int,
+        head: int,
+        tail_start: int,
+        length: int,
+        digest: RunningDigest,
     ) -> List[Any]:
         """Read ``len(mask)`` items (positions ``start`` on) and return those ``mask`` keeps, ``kept`` of them.
 
         ``compress`` keeps them in C and steps its selectors once per item read, so if the sampler runs out
         inside the block, what is left of the selectors says how many it made. The first ``head`` kept items
-        are the epoch's head, hashed in full; the block's last position is always kept, on every rank, and
-        is the digest's sample of the block.
+        are the epoch's head, hashed in full, as are the items of the epoch's last round (positions
+        ``tail_start`` on); the block's last position is always kept, on every rank, and is the digest's sample
+        of the block.
         """
         selectors = iter(mask)
         picked = list(compress(islice(items, len(mask)), selectors))
         if len(picked) != kept:
             raise self._mismatch(length, start + len(mask) - length_hint(selectors))
-        _hash_block(digest, picked, start, len(mask), head)
+        _hash_block(digest, picked, start, len(mask), head, tail_start)
         return picked
 
     def _unshuffled_blocks(self, length: int, total: int, digest: RunningDigest) -> Iterator[Iterable[T]]:
@@ -546,6 +566,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         world, rank = self.num_replicas, self.rank
         pad_count = total - length
         head_end = max(_HEAD_ITEMS, pad_count)  # leading positions every rank keeps: digest head, padding
+        tail_start = (total - 1) // world * world  # the last round, which every rank keeps and hashes whole
         head: List[Any] = []
         per_window = window // world
         windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
@@ -568,7 +589,9 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                 mask = plan.mask[block.mask_start : block.mask_end]
                 positions = plan.order[block.order_start : block.order_end].tolist()
                 if block.head or block.last:
-                    picked = self._read_block(items, block.start, mask, block.kept, block.head, length, digest)
+                    picked = self._read_block(
+                        items, block.start, mask, block.kept, block.head, tail_start, length, digest
+                    )
                     head.extend(picked[: block.head])
                     if block.start == 0:
                         self._warn_if_refilled(head)
@@ -594,7 +617,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
                         raise failure or self._mismatch(length, block.start + read)
                     if block.sampled:
                         try:
-                            _hash_block(digest, picked, block.start, len(mask), 0)
+                            _hash_block(digest, picked, block.start, len(mask), 0, tail_start)
                         except Exception:  # its sample, the last item, is bad: as in C, which hashes it as
                             positions = positions[: (len(mask) // window - 1) * per_window]  # it reads it, the
                             if positions:  # windows before the last one were complete and are yielded
@@ -653,8 +676,10 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         slot_of_position = (stored - 1)[own_sources]
         block_starts = np.arange(0, length, _READ_BLOCK)
         block_ends = np.minimum(block_starts + _READ_BLOCK, length)
-        actions[:_HEAD_ITEMS] |= KEEP  # the digest's head, and
-        actions[block_ends - 1] |= KEEP  # its sample: each block's last item
+        actions[:_HEAD_ITEMS] |= KEEP  # the digest's head,
+        actions[block_ends - 1] |= KEEP  # its sample: each block's last item, and
+        tail_start = (total - 1) // world * world
+        actions[tail_start:] |= KEEP  # the last round, hashed whole
         action_bytes = actions.tobytes()
         items = iter(self.source)
         store = CompactStore(batched=self._batched, owner=self._source_name, expected=int(stored[-1]))
@@ -663,7 +688,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
             kept, count = store.read(items, action_bytes[start:end])
             if count < end - start:
                 raise self._mismatch(length, start + count)
-            _hash_block(digest, kept, start, end - start, max(0, min(end, _HEAD_ITEMS) - start))
+            _hash_block(digest, kept, start, end - start, max(0, min(end, _HEAD_ITEMS) - start), tail_start)
             if start == 0:
                 self._warn_if_refilled(kept[: min(end, _HEAD_ITEMS)])
         self._check_exhausted(items, length, length)
@@ -689,13 +714,16 @@ def _serial_randperm(size: int, generator: torch.Generator) -> torch.Tensor:
         torch.set_num_threads(threads)
 
 
-def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int) -> None:
+def _hash_block(digest: RunningDigest, kept: List[Any], start: int, size: int, head: int, tail_start: int) -> None:
     """Hash what every rank kept of the block of ``size`` positions from ``start``: its first ``head`` items
-    (the epoch's head, in full) and, past the head, its last item (the block's sample)."""
+    (the epoch's head, in full) and, past the head, its items from position ``tail_start`` on (the epoch's last
+    round, in full, as the unshuffled deal hashes it) or else its last item (the block's sample)."""
     if head:
         digest.update(kept[:head], start)
-    if head < size:
-        digest.include(kept[-1:], start + size - 1)
+    end = start + size
+    tail = min(max(1, end - max(tail_start, start)), size - head)
+    if tail > 0:
+        digest.include(kept[-tail:], end - tail)
 
 
 class DistributedBatchSamplerWrapper(_DealingWrapper[List[int]]):
@@ -833,6 +861,11 @@ class _EpochRelay:
                 " it. Reach your batch sampler's attributes through loader.batch_sampler (or"
                 " loader.batch_sampler.batch_sampler, the object itself)."
             ) from None
+
+    def _replace_users_sampler(self, sampler: Any) -> None:
+        """Set the user's batch sampler's own ``sampler`` (``wrapper.sampler = s``); the relay stays."""
+        self._users_sampler("sampler")  # the error for a batch sampler without one
+        setattr(self._wrapper.source, "sampler", sampler)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # private names, and copy's and pickle's protocols, stay the relay's

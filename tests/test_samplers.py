@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import math
 import pickle
@@ -321,6 +322,19 @@ def test_set_epoch_is_forwarded_to_sampler_and_its_inner_sampler() -> None:
     assert batch_sampler.sampler.epoch == 5  # type: ignore[attr-defined]
 
 
+def test_set_epoch_takes_numpy_and_torch_integers_and_refuses_the_rest() -> None:
+    """A numpy epoch failed at the next shuffle, in torch's words ("an integer is required"), naming nothing."""
+    wrapper = DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True, seed=np.int64(1))
+    for epoch in (np.int64(2), torch.tensor(2)):
+        wrapper.set_epoch(epoch)  # type: ignore[arg-type]
+        assert type(wrapper.epoch) is int and list(wrapper) == list(
+            DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True, seed=3)
+        )
+    for bad in (2.0, "2", None, True):
+        with pytest.raises(TypeError, match=re.escape(f"set_epoch takes an integer epoch, got {bad!r}")):
+            wrapper.set_epoch(bad)  # type: ignore[arg-type]
+
+
 def test_a_shallow_copy_relays_epochs_to_itself() -> None:
     original = DistributedBatchSamplerWrapper(VariableBatches(4), 2, 0, shuffle=True)
     clone = copy.copy(original)
@@ -349,6 +363,24 @@ def test_the_users_data_attributes_are_read_and_set_through_the_wrapper() -> Non
     assert restored.num_batches == 4 and copy.deepcopy(wrapper).num_batches == 4  # type: ignore[attr-defined]
 
 
+class _Buckets(VariableBatches):
+    """Bucket boundaries computed once, on first use (``functools.cached_property``)."""
+
+    @functools.cached_property
+    def boundaries(self) -> List[int]:
+        return [8, 16, 32]
+
+
+def test_a_cached_property_of_the_users_object_is_read_and_set_through_the_wrapper() -> None:
+    """It was taken for a method: read through the wrapper it failed until the user's object had computed it, and
+    set through the wrapper it landed on the wrapper, changing nothing, silently."""
+    source = _Buckets(4)
+    wrapper = DistributedBatchSamplerWrapper(source, 2, 0)
+    assert wrapper.boundaries == [8, 16, 32]  # type: ignore[attr-defined]
+    wrapper.boundaries = [4, 8]  # type: ignore[attr-defined]
+    assert source.boundaries == [4, 8] and "boundaries" not in vars(wrapper)
+
+
 def test_the_users_inner_sampler_is_reached_through_the_relay_and_batch_size_is_not_set_silently() -> None:
     """A hard-negative callback written for one device sets ``batch_sampler.sampler.weights``; a batch-size
     curriculum sets ``batch_sampler.batch_size``. Neither may change nothing without an error."""
@@ -370,6 +402,17 @@ def test_the_users_inner_sampler_is_reached_through_the_relay_and_batch_size_is_
     with pytest.raises(AttributeError, match="VariableBatches has no sampler attribute, so there is no 'weights'"):
         without.sampler.weights = 1
     assert not hasattr(without.sampler, "weights") and callable(without.sampler.set_epoch)
+    # Replacing the inner sampler (re-mined negatives): it replaced the relay, so the user's batches kept the old
+    # sampler and the loop's set_epoch no longer reached the wrapper, both silently.
+    plain_users = BatchSampler(SequentialSampler(range(8)), 2, False)
+    plain = DistributedBatchSamplerWrapper(plain_users, 2, 0)
+    relay, mined = plain.sampler, SequentialSampler(range(4))
+    plain.sampler = mined
+    assert plain_users.sampler is mined and plain.sampler is relay
+    plain.sampler.set_epoch(2)
+    assert plain.epoch == 2 and list(plain) == [[0, 1]]
+    with pytest.raises(AttributeError, match="VariableBatches has no sampler attribute, so there is no 'sampler'"):
+        without.sampler = mined
     for copied in (copy.copy(wrapper), copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
         copied.sampler.set_epoch(3)
         assert copied.epoch == 3 and wrapper.epoch == 0

@@ -755,14 +755,21 @@ def test_batches_repeated_unchanged_are_dealt_as_they_are_and_only_a_shared_list
 @pytest.mark.parametrize("options", [{}, {"shuffle": True, "shuffle_window": 4}, {"shuffle": True}])
 @pytest.mark.parametrize("length", [100, 3000])
 def test_the_epoch_digest_covers_the_last_round_on_both_paths(path: str, options: Any, length: int) -> None:
-    """Samplers that agree on all but the last batch deal different shares (one batch lost, one repeated): the
-    epoch digest, which the next epoch's check compares, must tell them apart in every mode."""
+    """Samplers that agree on all but one batch of the last round deal different shares (one batch lost, one
+    repeated): the epoch digest, which the next epoch's check compares, must tell them apart in every mode. The
+    shuffled modes hashed only the last position, so a difference in the round's other batches passed."""
 
-    def epoch_digest(batches: List[List[int]]) -> Any:
-        wrapper = DistributedBatchSamplerWrapper(batches, num_replicas=2, rank=0, **options)
+    def epoch_digest(batches: List[List[int]], world: int = 2) -> Any:
+        wrapper = DistributedBatchSamplerWrapper(batches, num_replicas=world, rank=0, **options)
         list(wrapper)
         return wrapper.epoch_digest
 
     agreed = [[i] for i in range(length)]
     assert epoch_digest(agreed) == epoch_digest([list(batch) for batch in agreed])
     assert epoch_digest(agreed) != epoch_digest(agreed[:-1] + [[length - 2]])
+    assert epoch_digest(agreed) != epoch_digest(agreed[:-2] + [[length - 3], agreed[-1]])
+    for world in (7, 8):  # the first batch of a last round of several: it counts too
+        first = (-(-length // world) * world - 1) // world * world
+        assert first < length - 1
+        changed = agreed[:first] + [[length]] + agreed[first + 1 :]
+        assert epoch_digest(agreed, world) != epoch_digest(changed, world)
