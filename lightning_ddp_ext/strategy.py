@@ -85,7 +85,7 @@ _requires_grad = attrgetter("requires_grad")
 
 
 def _check_process_group_arguments(kwargs: Dict[str, Any], owner: str) -> None:
-    """Refuse a ``timeout`` that is not a ``timedelta`` and a ``process_group_backend`` torch does not know.
+    """Refuse a ``timeout`` that is not a positive ``timedelta`` and a ``process_group_backend`` torch does not know.
 
     Lightning hands both to ``init_process_group`` unchecked, so a mistake (``timeout=1800``, a misspelt
     backend) failed only inside every rank, after the processes were started, with torch's message; an unknown
@@ -97,6 +97,11 @@ def _check_process_group_arguments(kwargs: Dict[str, Any], owner: str) -> None:
             f"{owner}(timeout={timeout!r}): the process-group timeout must be a datetime.timedelta, for example"
             f"{hint or ' timeout=timedelta(minutes=30)'} (from datetime import timedelta)."
         )
+    if timeout is not None and timeout <= timedelta(0):
+        raise ValueError(
+            f"{owner}(timeout={timeout!r}): the process-group timeout must be positive (every rank would time out"
+            " at once while meeting the others), for example timeout=timedelta(minutes=30)."
+        )
     backend = kwargs.get("process_group_backend")
     if backend is None or not dist.is_available():
         return
@@ -106,7 +111,13 @@ def _check_process_group_arguments(kwargs: Dict[str, Any], owner: str) -> None:
         )
     known = [name for name in dist.Backend.backend_list if name != "undefined"]
     # "gloo", or per device as in init_process_group: "cpu:gloo,cuda:nccl"
-    for part in backend.split(","):
+    parts = backend.split(",")
+    if len(parts) > 1 and not all(":" in part for part in parts):
+        raise ValueError(
+            f"{owner}(process_group_backend={backend!r}): several backends are given one per device, as"
+            " 'device:backend' pairs, for example 'cpu:gloo,cuda:nccl'."
+        )
+    for part in parts:
         name = part.rpartition(":")[2].strip().lower()
         if name not in known:
             raise ValueError(
@@ -346,8 +357,10 @@ class CustomDDP(DDPStrategy):
         rank_zero_info(f"{type(self).__name__}: {joined} joined over {backend}.")
 
     def select_process_group_backend(self) -> str:
-        """``process_group_backend=`` when given, else NCCL for a CUDA root device and Gloo otherwise."""
-        return process_group_backend_for(self.root_device, _compat.requested_process_group_backend(self))
+        """``process_group_backend=`` when given (known before the Trainer sets the devices), else NCCL for a CUDA
+        root device and Gloo otherwise."""
+        requested = _compat.requested_process_group_backend(self)
+        return requested if requested is not None else process_group_backend_for(self.root_device)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -1444,8 +1457,8 @@ class CustomDDP(DDPStrategy):
             )
         for name, init_params in cls.registry_entries:
             entry = dict.get(strategy_registry, name)
-            if entry is not None and entry["strategy"] is cls and entry["init_params"] == init_params:
-                continue
+            if entry is not None and entry["strategy"] is cls:  # ours, perhaps re-registered with options of the
+                continue  # user's: left as it is (a reloaded copy of the class is registered anew)
             strategy_registry.register(
                 name,
                 cls,

@@ -245,6 +245,14 @@ def test_register_is_idempotent() -> None:
     before = {name: dict(StrategyRegistry[name]) for name in lightning_ddp_ext.register()}
     assert lightning_ddp_ext.register() == list(before)
     assert {name: dict(StrategyRegistry[name]) for name in before} == before
+    # A name the user registered again with options of their own, to the same class: register() overwrote it.
+    # (Restored by hand: monkeypatch.setitem reads the old value with the registry's get, which builds a strategy.)
+    try:
+        StrategyRegistry.register("ddp_custom_sampler", CustomDDP, "mine", override=True, start_method="spawn", seed=5)
+        lightning_ddp_ext.register()
+        assert StrategyRegistry["ddp_custom_sampler"]["init_params"] == {"start_method": "spawn", "seed": 5}
+    finally:
+        dict.__setitem__(StrategyRegistry, "ddp_custom_sampler", before["ddp_custom_sampler"])
 
 
 class NoReturnDDP(CustomDDP):
@@ -316,9 +324,16 @@ def test_configure_ddp_overrides_that_return_a_module_are_accepted(
     assert in_one_process[f"two steps, {strategy_class.__name__}"].returned() == 2
 
 
-def test_a_one_device_fit_in_the_pytest_process_is_refused_before_it_makes_a_group() -> None:
+def test_a_one_device_fit_in_the_pytest_process_is_refused_before_it_makes_a_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """conftest.py's guard reaches the strategy's own init_process_group: a group made here would have to be
     destroyed here, which can deadlock on torch < 2.8 (see distributed_helpers.call_in_a_new_process)."""
+    # Lightning's launcher exports these before the group; LOCAL_RANK left set told later popen launches in this
+    # process "the ranks were started for you" (a docs example then waited for a rank 1 that never came).
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "0")  # registers the original value, or its absence, for restoring
+        monkeypatch.delenv(name)
     trainer = pl.Trainer(strategy=CustomDDP(), **trainer_kwargs(devices=1, max_epochs=1))
     with pytest.raises(RuntimeError, match="a test tried to make a process group in the pytest process"):
         trainer.fit(OrderRecorder(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
@@ -404,6 +419,9 @@ def test_keywords_the_model_wrapper_does_not_take_are_refused_at_construction(
         ({"process_group_backend": "glo"}, ValueError, "knows no backend 'glo'. Known: 'gloo', 'nccl'"),
         ({"process_group_backend": "cpu:gloo,cuda:ncl"}, ValueError, "knows no backend 'ncl'"),
         ({"process_group_backend": torch.device("cpu")}, TypeError, "give the backend's name as a string"),
+        # Both failed in every rank after launch: a socket timed out "after 0ms", torch's "Unknown c10d backend type"
+        ({"timeout": __import__("datetime").timedelta(0)}, ValueError, "the process-group timeout must be positive"),
+        ({"process_group_backend": "gloo,nccl"}, ValueError, "one per device, as 'device:backend' pairs"),
     ],
 )
 def test_a_bad_timeout_or_backend_is_refused_at_construction(
@@ -476,6 +494,8 @@ def test_backend_selection() -> None:
     assert CustomDDP(parallel_devices=[torch.device("cpu")]).select_process_group_backend() == "gloo"
     forced = CustomDDP(parallel_devices=[torch.device("cuda", 0)], process_group_backend="gloo")
     assert forced.select_process_group_backend() == "gloo"
+    # Given, it is known before the Trainer sets the devices (an empty AssertionError from root_device before)
+    assert CustomDDP(process_group_backend="gloo").select_process_group_backend() == "gloo"
 
 
 def test_get_model_from_plugin_unwraps_nested_wrappers() -> None:
