@@ -161,6 +161,12 @@ def numpy_window_permutations(seed: int, first: int, count: int, size: int, stri
     return permutations
 
 
+def last_round_start(total: int, world: int) -> int:
+    """The first position of the epoch's last round of ``world`` among ``total`` dealt positions: every rank keeps
+    that round's items, which the consistency digest hashes whole, in every mode."""
+    return (total - 1) // world * world
+
+
 def last_window(span: PlanSpan) -> tuple[int, int]:
     """How many positions the epoch's last window permutes, and how many of them it deals.
 
@@ -218,7 +224,7 @@ def python_window_plan(span: PlanSpan) -> WindowPlan:
             keep[position] = 1
     for block_read_end in block_read_ends:
         keep[block_read_end - 1] = 1  # each block's last position: runs out alike on every rank
-    tail = min(max(0, (total - 1) // world * world - start), read_end)
+    tail = min(max(0, last_round_start(total, world) - start), read_end)
     keep[tail:] = b"\x01" * (read_end - tail)  # the epoch's last round: every rank keeps it (the digest hashes it)
     head = max(0, min(head_end - start, read_end))
     keep[:head] = b"\x01" * head  # the head: every rank keeps it
@@ -275,7 +281,7 @@ def numpy_window_plan(span: PlanSpan) -> WindowPlan:
     block_read_ends = np.minimum(block_starts + windows_per_block * window, read_end)
     block_read_ends[-1] = read_end  # the last window's tail, which pad=False cuts, is read with its block
     keep[block_read_ends - 1] = True  # each block's last position: runs out alike on every rank
-    keep[max(0, (total - 1) // world * world - start) :] = True  # the epoch's last round: every rank keeps it
+    keep[max(0, last_round_start(total, world) - start) :] = True  # the epoch's last round: every rank keeps it
     keep[: max(0, min(head_end - start, read_end))] = True  # the head: every rank keeps it
     kept_before = np.concatenate(([0], np.cumsum(keep, dtype=np.int32)))  # kept positions before p
     block_of = np.arange(len(own), dtype=np.int32) // (per_window * windows_per_block)

@@ -42,7 +42,7 @@ from lightning_ddp_ext._checks import (
     resolve_world,
 )
 from lightning_ddp_ext._store import KEEP, STORE, CompactStore
-from lightning_ddp_ext._windows import PlanSpan, plan_ranges, sampled_block_ends, window_plan
+from lightning_ddp_ext._windows import PlanSpan, last_round_start, plan_ranges, sampled_block_ends, window_plan
 from lightning_ddp_ext.consistency import RunningDigest, SequenceDigest
 
 __all__ = ["DistributedBatchSamplerWrapper", "DistributedSamplerWrapper", "LengthMismatchError"]
@@ -494,7 +494,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         """
         world, rank = self.num_replicas, self.rank
         items = iter(self.source)
-        final_start = (total - 1) // world * world  # first position of the last round
+        final_start = last_round_start(total, world)
         head_end = min(final_start, -(-_HEAD_ITEMS // world) * world)
         head: List[Any] = []
         if head_end:  # read whole before its first item is yielded: the first check compares all of it
@@ -566,7 +566,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         world, rank = self.num_replicas, self.rank
         pad_count = total - length
         head_end = max(_HEAD_ITEMS, pad_count)  # leading positions every rank keeps: digest head, padding
-        tail_start = (total - 1) // world * world  # the last round, which every rank keeps and hashes whole
+        tail_start = last_round_start(total, world)  # every rank keeps the last round and hashes it whole
         head: List[Any] = []
         per_window = window // world
         windows_per_block = max(1, _WINDOW_BLOCK_ITEMS // per_window)
@@ -678,7 +678,7 @@ class _DealingWrapper(Sampler[T], Generic[T]):
         block_ends = np.minimum(block_starts + _READ_BLOCK, length)
         actions[:_HEAD_ITEMS] |= KEEP  # the digest's head,
         actions[block_ends - 1] |= KEEP  # its sample: each block's last item, and
-        tail_start = (total - 1) // world * world
+        tail_start = last_round_start(total, world)
         actions[tail_start:] |= KEEP  # the last round, hashed whole
         action_bytes = actions.tobytes()
         items = iter(self.source)
